@@ -1,0 +1,1 @@
+"""Cluster and serving configs; `models/` holds model presets (installed as package data)."""

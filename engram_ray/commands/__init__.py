@@ -1,0 +1,9 @@
+"""CLI subcommands. Each module has `HELP`, `configure(parser)` and `run(args) -> int`.
+
+Modules are imported only when their command runs, so `engram-ray plan` never loads torch or Ray.
+"""
+
+# name -> module under engram_ray.commands
+COMMANDS = {
+    "plan": "plan",
+}
