@@ -1,0 +1,41 @@
+"""The package installs with `actors/` and `kernels/` as engram_ray subpackages (editable and wheel)."""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_editable_install_maps_subpackages(tmp_path):
+    for name, folder in (("engram_ray.actors", "actors"), ("engram_ray.kernels", "kernels")):
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve().parent == REPO / folder
+    # Outside the checkout (not on sys.path), no top-level `actors` or `kernels` is installed.
+    code = "import importlib.util as u; print(u.find_spec('actors'), u.find_spec('kernels'))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout.strip() == "None None", result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_wheel_install_imports_subpackages_and_presets(tmp_path):
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(REPO)], check=True, timeout=300)
+    wheel = next(tmp_path.glob("engram_ray-*.whl"))
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, timeout=300)
+    # -S: no site-packages, so the editable install cannot answer for the wheel.
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
+            "import engram_ray.actors, engram_ray.kernels, engram_ray.layout as l;"
+            "assert engram_ray.actors.__file__.startswith(sys.argv[1]);"
+            "print(l.load_layout('deepseek-v4.1-flash').num_cols)")
+    result = subprocess.run([sys.executable, "-S", "-c", code, str(site)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "24"
