@@ -1,0 +1,88 @@
+"""The interface every peer memory backend implements.
+
+A backend holds, for each table of a peer group, this rank's own slice (allocated here,
+writable) and every peer's slice (mapped from the handle the peer exported). The life of one:
+
+    mem = Backend(rank=r, size=P, device=..., tag=...)
+    local = mem.allocate(key, num_rows, row_bytes)   # [num_rows, row_bytes] uint8, fill it
+    record = mem.describe()                          # JSON: host, GPU, handle types, handles
+    ... rendezvous publishes `record` and gathers everyone's ...
+    mem.map_peers(records)                           # import + map every peer's slice
+    mem.after_rendezvous()                           # every peer has mapped ours
+    mem.slices(key) / mem.peer_bases(key)            # what lookups read
+    mem.close()                                      # unmap, release; idempotent
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from abc import ABC, abstractmethod
+
+import torch
+
+from engram_ray.errors import EngramRayError
+
+
+class PeerMemoryError(EngramRayError):
+    """A slice could not be allocated, exported, imported or mapped."""
+
+
+def host_identity() -> dict:
+    """Host name and boot id: two members share memory by file descriptor only on one host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return {"host": socket.gethostname(), "boot_id": boot_id, "pid": os.getpid()}
+
+
+def same_host(a: dict, b: dict) -> bool:
+    return a["host"] == b["host"] and a["boot_id"] == b["boot_id"]
+
+
+class PeerMemory(ABC):
+    """Slices of one peer group's tables, keyed by table (model layer id)."""
+
+    name: str = ""
+
+    def __init__(self, *, rank: int, size: int, device: str, tag: str):
+        self.rank, self.size, self.device, self.tag = rank, size, device, tag
+        self.is_closed = False
+
+    @abstractmethod
+    def allocate(self, key: int, num_rows: int, row_bytes: int) -> torch.Tensor:
+        """This rank's slice of table `key`: `[num_rows, row_bytes]` uint8, to be filled."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """JSON-able record for the rendezvous: identity, handle types, exported handles."""
+
+    @abstractmethod
+    def map_peers(self, records: list[dict]) -> None:
+        """Import and map every other member's slices (records indexed by rank)."""
+
+    def after_rendezvous(self) -> None:
+        """Every peer has mapped this rank's slices (nothing to do by default)."""
+
+    @abstractmethod
+    def slices(self, key: int) -> list[torch.Tensor]:
+        """Every rank's slice of table `key`, by rank (own included), as tensors."""
+
+    def peer_bases(self, key: int) -> torch.Tensor:
+        """`[size]` int64 device addresses of every rank's slice of `key` (device backends)."""
+        raise PeerMemoryError(f"the {self.name} backend has no device addresses")
+
+    @abstractmethod
+    def allocated_bytes(self, key: int) -> int:
+        """Bytes this rank holds for table `key` (allocation granularity included)."""
+
+    @property
+    @abstractmethod
+    def handle_type(self) -> str:
+        """How slices travel between members (e.g. `shm_file`, `posix_fd`, `fabric`)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap peers' slices and release own ones. Idempotent."""
