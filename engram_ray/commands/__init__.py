@@ -6,4 +6,5 @@ Modules are imported only when their command runs, so `engram-ray plan` never lo
 # name -> module under engram_ray.commands
 COMMANDS = {
     "plan": "plan",
+    "node-labels": "node_labels",
 }
