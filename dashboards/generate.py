@@ -1,0 +1,163 @@
+"""Grafana dashboards of engram-ray, generated: `python3 dashboards/generate.py` writes
+`dashboards/engram_memory.json` and `dashboards/engram_step_time.json`; `--check` exits 1 if a
+committed file differs from what this code generates (tests/cpu/test_dashboards.py runs it).
+
+Queries filter on the template variables `$model`, `$engine`, `$peer_group` and use
+`$__rate_interval`; vLLM's own series are matched under both names they can carry: `vllm:*`
+(an engine's `/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SEL = 'model=~"$model", engine=~"$engine", peer_group=~"$peer_group"'
+RATE = "$__rate_interval"
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def vllm_series(name: str) -> str:
+    """Selector matching vLLM metric `name` as exported directly and through Ray."""
+    return f'{{__name__=~"vllm:{name}|ray_vllm_{name}", model_name=~"$model"}}'
+
+
+def quantile_targets(bucket_selector: str, by: str = "engine") -> list[dict]:
+    """p50/p95/p99 of a histogram from the rate of its buckets, one series per `by` value."""
+    return [target(f"histogram_quantile({q}, sum by (le, {by}) "
+                   f"(rate({bucket_selector}[{RATE}])))", f"p{int(q * 100)} {{{{{by}}}}}")
+            for q in QUANTILES]
+
+
+def target(expr: str, legend: str) -> dict:
+    return {"expr": expr, "legendFormat": legend}
+
+
+def panel(title: str, unit: str, targets: list[dict], description: str = "") -> dict:
+    return {"type": "timeseries", "title": title, "description": description,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "table", "placement": "bottom",
+                                   "calcs": ["lastNotNull", "max"]}},
+            "targets": targets}
+
+
+def variables() -> list[dict]:
+    out = [{"name": "datasource", "type": "datasource", "query": "prometheus",
+            "label": "Prometheus"}]
+    for name in ("model", "engine", "peer_group"):
+        out.append({"name": name, "type": "query", "label": name, "includeAll": True,
+                    "multi": True, "allValue": ".*", "current": {"text": "All",
+                                                                  "value": "$__all"},
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "query": {"query": f"label_values(engram_group_healthy, {name})",
+                              "refId": f"{name}-values"},
+                    "refresh": 2, "sort": 1})
+    return out
+
+
+def dashboard(uid: str, title: str, description: str, panels: list[dict]) -> dict:
+    """A dashboard of `panels` laid out two per row (12 of Grafana's 24 columns each)."""
+    for idx, item in enumerate(panels):
+        item["id"] = idx + 1
+        item["gridPos"] = {"h": 8, "w": 12, "x": 12 * (idx % 2), "y": 8 * (idx // 2)}
+        for ref_idx, tgt in enumerate(item["targets"]):
+            tgt["refId"] = chr(ord("A") + ref_idx)
+            tgt["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
+    return {"uid": uid, "title": title, "description": description, "tags": ["engram-ray"],
+            "schemaVersion": 39, "version": 1, "editable": True, "refresh": "10s",
+            "time": {"from": "now-1h", "to": "now"}, "timezone": "utc",
+            "templating": {"list": variables()}, "annotations": {"list": []},
+            "panels": panels}
+
+
+def memory_dashboard() -> dict:
+    by_engine = "{{engine}}"
+    return dashboard("engram-memory", "Engram memory", "Engram table memory per GPU, host "
+                     "memory, KV-cache capacity, usage and headroom, gain from splitting", [
+        panel("Table bytes per GPU", "bytes", [target(
+            f"sum by (engine, table, placement) (engram_table_bytes{{{SEL}}})",
+            "{{engine}} {{table}} {{placement}}")],
+            "Engram table bytes each GPU holds, by table and placement (hbm, host, peer slice)"),
+        panel("Host memory per engine", "bytes", [target(
+            f"sum by (engine) (engram_host_bytes{{{SEL}}})", by_engine)]),
+        panel("KV-cache capacity", "bytes", [target(
+            f"sum by (engine) (engram_kv_cache_capacity_bytes{{{SEL}}})", by_engine)]),
+        panel("KV-cache capacity (tokens)", "short", [target(
+            f"sum by (engine) (engram_kv_cache_capacity_tokens{{{SEL}}})", by_engine)]),
+        panel("KV-cache usage", "percentunit", [target(
+            f"max by (engine) (engram_kv_cache_usage_ratio{{{SEL}}})", by_engine)]),
+        panel("KV-cache headroom", "bytes", [target(
+            f"sum by (engine) (engram_kv_cache_headroom_bytes{{{SEL}}})", by_engine)]),
+        panel("KV-cache headroom (tokens)", "short", [target(
+            f"sum by (engine) (engram_kv_cache_headroom_tokens{{{SEL}}})", by_engine)]),
+        panel("KV cache gained by splitting", "bytes", [target(
+            f"max by (engine) (engram_kv_cache_gain_bytes{{{SEL}}})", by_engine)],
+            "HBM per GPU freed for KV cache against whole tables in every GPU's HBM"),
+        panel("Peer-group health and generation", "short", [
+            target(f"min by (peer_group) (engram_group_healthy{{{SEL}}})",
+                   "healthy {{peer_group}}"),
+            target(f"max by (peer_group) (engram_group_generation{{{SEL}}})",
+                   "generation {{peer_group}}")]),
+    ])
+
+
+def step_time_dashboard() -> dict:
+    return dashboard("engram-step-time", "Engram step time", "Engine step time, Engram "
+                     "lookup latency, remote rows, vLLM time to first token and inter-token "
+                     "latency", [
+        panel("Engine step time p50/p95/p99", "s",
+              quantile_targets(f"engram_engine_step_seconds_bucket{{{SEL}}}")),
+        panel("Lookup latency p50/p95/p99 (local and remote rows)", "s",
+              quantile_targets(f"engram_lookup_seconds_bucket{{{SEL}}}", by="rows")),
+        panel("Rows read from peers", "percentunit", [target(
+            f'sum by (engine) (rate(engram_rows_read_total{{{SEL}, rows="remote"}}[{RATE}]))'
+            f" / sum by (engine) (rate(engram_rows_read_total{{{SEL}}}[{RATE}]))",
+            "{{engine}}")]),
+        panel("Rendezvous duration", "s", [target(
+            f"max by (peer_group) (engram_rendezvous_duration_seconds{{{SEL}}})",
+            "{{peer_group}}")]),
+        panel("vLLM time to first token", "s", quantile_targets(
+            vllm_series("time_to_first_token_seconds_bucket"), by="model_name")),
+        panel("vLLM inter-token latency", "s", quantile_targets(
+            vllm_series("inter_token_latency_seconds_bucket"), by="model_name")),
+    ])
+
+
+def build_dashboards() -> dict[str, dict]:
+    """File name -> dashboard JSON model."""
+    return {"engram_memory.json": memory_dashboard(),
+            "engram_step_time.json": step_time_dashboard()}
+
+
+def render(model: dict) -> str:
+    return json.dumps(model, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, do not write")
+    parser.add_argument("--out", type=Path, default=HERE)
+    args = parser.parse_args(argv)
+    stale = []
+    for name, model in build_dashboards().items():
+        path = args.out / name
+        text = render(model)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"stale dashboards: {', '.join(stale)}; run python3 dashboards/generate.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
