@@ -1,0 +1,96 @@
+"""Compile every lookup kernel variant for sm_90 (no GPU needed) and report its memory instructions.
+
+Evidence for the wide packed-row loads: the widths of the global loads/stores in the PTX
+(`ld.global.v2.b32` = 8 bytes) and SASS (`LDG.E.64`), registers and spills per variant.
+Usage: python benchmarks/lookup_asm.py [--out DIR]   (writes one .ptx/.sass per variant)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engram_ray.kernels.lookup import NUM_WARPS, SCALE_WORDS, _engram_lookup_kernel
+
+MEMORY_OP = re.compile(r"\b((?:ld|st)\.global[\w.]*)")
+SASS_OP = re.compile(r"\b((?:LDG|STG)[\w.]*)")
+
+
+def compile_variant(block_rows: int, is_bf16: bool, is_peer: bool, is_sorted: bool,
+                    head_dim: int = 256):
+    out_type = "*bf16" if is_bf16 else "*u8"
+    signature = {"src": "*i64" if is_peer else "*u8", "row_ids": "*i64", "dst_rows": "*i64",
+                 "out": out_type, "num_rows": "i32", "rows_per_rank": "i32",
+                 "num_programs": "i32", "HEAD_DIM": "constexpr", "SCALE_WORD": "constexpr",
+                 "BLOCK_R": "constexpr", "IS_PEER": "constexpr", "IS_SORTED": "constexpr",
+                 "IS_BF16": "constexpr"}
+    constexprs = {"HEAD_DIM": head_dim, "SCALE_WORD": SCALE_WORDS[head_dim // 32],
+                  "BLOCK_R": block_rows, "IS_PEER": is_peer, "IS_SORTED": is_sorted,
+                  "IS_BF16": is_bf16}
+    # Pointers are 16-byte aligned, as Triton specializes them at launch.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    source = ASTSource(_engram_lookup_kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": NUM_WARPS[block_rows]})
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers, stack and shared memory of the cubin (cuobjdump --dump-resource-usage)."""
+    import shutil
+    from triton import knobs
+    tool = knobs.nvidia.cuobjdump.path if hasattr(knobs, "nvidia") else shutil.which("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", file.name],
+                              capture_output=True, text=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
+    return match.group(0) if match else text.strip()[-200:]
+
+
+def summarize(kernel) -> dict:
+    ptx = kernel.asm["ptx"]
+    ptx_ops = collections.Counter(MEMORY_OP.findall(ptx))
+    info = {"ptx": dict(ptx_ops), "ftz": len(re.findall(r"\.ftz", ptx)),
+            "resources": resource_usage(kernel.asm["cubin"])}
+    sass = kernel.asm.get("sass")
+    if sass is None:
+        try:
+            from triton.tools.disasm import get_sass
+            sass = get_sass(kernel.asm["cubin"])
+        except Exception as exc:  # disassembler missing: PTX is still evidence
+            sass = f"// no SASS: {exc}"
+    info["sass"] = dict(collections.Counter(SASS_OP.findall(sass)))
+    return info, ptx, sass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, target sm_90")
+    for block_rows in (16, 128):
+        for is_bf16 in (False, True):
+            for is_peer, is_sorted in ((False, False), (True, False), (False, True)):
+                kernel = compile_variant(block_rows, is_bf16, is_peer, is_sorted)
+                info, ptx, sass = summarize(kernel)
+                name = (f"lookup_r{block_rows}_{'bf16' if is_bf16 else 'packed'}"
+                        f"{'_peer' if is_peer else ''}{'_sorted' if is_sorted else ''}")
+                print(name, info)
+                if args.out is not None and block_rows == 128 and not is_peer and not is_sorted:
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    (args.out / f"{name}.ptx").write_text(ptx)
+                    (args.out / f"{name}.sass").write_text(sass)
+
+
+if __name__ == "__main__":
+    main()

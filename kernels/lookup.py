@@ -1,0 +1,211 @@
+"""Engram row lookup: Triton kernel + launcher (oracle: `engram_ray.reference.lookup_reference`).
+
+Gathers packed rows (`head_dim` FP8 e4m3 bytes + `head_dim // 32` ue8m0 scale bytes) for row
+ids `[num_tokens, num_cols]` from a table in local HBM, in pinned host memory (read through
+UVA) or split over a peer group (per-rank slice base addresses), into packed bytes
+`[num_tokens, num_cols, row_bytes]` or bf16 `[num_tokens, num_cols, head_dim]`.
+
+NOTES:
+- A row is 264 = 33 x 8 bytes, so every row and its scale word start 8-byte aligned but odd rows
+  are not 16-byte aligned: value bytes move as 8-byte vectors (one warp-wide load = one row's
+  256 value bytes) and the 8 scale bytes of a row as one uint64 word.
+- Values are tiled `[BLOCK_R, NUM_SCALES, 32]`: the scale of a 32-value group is computed once
+  per (row, group) and broadcast along the last axis inside each thread, with no shuffles.
+- Tiles of 16 rows keep many programs busy on small lookups; 128-row tiles keep ~33 KB of
+  independent row loads in flight per program, which large lookups need to cover HBM, NVLink
+  and PCIe latency. The measured thresholds live in `TILE_POLICY`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engram_ray.host_memory import is_huge_page_backed
+from engram_ray.reference import row_bytes_for
+
+OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
+PLACEMENTS = ("hbm", "host", "host_thp", "peer")
+BLOCK_ROWS = (16, 128)
+SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
+
+# Tile policy, measured on one H200 (benchmarks/results/lookup_h200.md): lookups of at least
+# `min_rows_128` rows use 128-row tiles. Rows wider than MAX_TILE_BYTES / 128 use smaller large
+# tiles (2 KiB rows in 128-row tiles were 4.7x slower: register pressure).
+TILE_POLICY = {"hbm": 16384, "host": 4096, "host_thp": 4096, "peer": 16384}
+MAX_TILE_BYTES = 128 * 264
+# Persistent grid: programs per SM and warps per program, by tile rows.
+PROGRAMS_PER_SM = {16: 4, 128: 2}
+NUM_WARPS = {16: 4, 128: 8}
+# Small-page host tables: sort ids of lookups this large so rows on one page share a TLB miss.
+SORT_MIN_ROWS = {"host": 1 << 62}
+
+
+@triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
+def _engram_lookup_kernel(
+    src,            # TABLE: packed uint8 [rows, ROW_BYTES]; PEER: int64 [P] slice base addresses
+    row_ids,        # int64/int32 [num_rows]; < 0 = no row
+    dst_rows,       # int64 [num_rows] output row of each id (IS_SORTED only)
+    out,            # uint8 [num_rows, ROW_BYTES] or bf16 [num_rows, HEAD_DIM]
+    num_rows,
+    rows_per_rank,  # PEER only
+    num_programs,
+    HEAD_DIM: tl.constexpr,
+    SCALE_WORD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_PEER: tl.constexpr,
+    IS_SORTED: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    NUM_SCALES: tl.constexpr = HEAD_DIM // 32
+    ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
+    group = tl.arange(0, NUM_SCALES)
+    lane = tl.arange(0, 32)
+    col = (group[:, None] * 32 + lane[None, :])[None, :, :]          # [1, NUM_SCALES, 32]
+    shift = (group * 8).to(SCALE_WORD)[None, :]                       # [1, NUM_SCALES]
+    num_tiles = tl.cdiv(num_rows, BLOCK_R)
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
+        pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        in_range = pos < num_rows
+        row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
+        has_row = row >= 0
+        row = tl.where(has_row, row, 0)
+        if IS_PEER:
+            owner = row // rows_per_rank
+            base = tl.load(src + owner, mask=has_row, other=0)
+            row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
+        else:
+            row_ptr = src + row * ROW_BYTES
+        row_ptr = tl.multiple_of(row_ptr, 8)
+        dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
+        values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
+        word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row,
+                       other=0)
+        if IS_BF16:
+            # value x 2^(e - 127): fp8 -> fp32 is exact, 2^(e-127) is exact in fp32 (e = 0 is
+            # the subnormal 2^-127, e = 255 the e8m0 NaN), one rounding fp32 -> bf16 (RNE).
+            exponent = ((word[:, None] >> shift) & 0xFF).to(tl.int32)
+            power_bits = tl.where(exponent == 0, 0x400000,
+                                  tl.where(exponent == 255, 0x7FC00000, exponent << 23))
+            power = power_bits.to(tl.float32, bitcast=True)
+            real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
+            out_ptr = out + dst[:, None, None] * HEAD_DIM + col
+            tl.store(out_ptr, real.to(tl.bfloat16), mask=in_range[:, None, None])
+        else:
+            out_row = tl.multiple_of(out + dst * ROW_BYTES, 8)
+            tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None])
+            tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range)
+
+
+def large_block_rows(row_bytes: int) -> int:
+    """Rows per large tile: 128, or fewer (a power of two >= 16) for rows wider than 264 B."""
+    rows = 128
+    while rows > 16 and rows * row_bytes > MAX_TILE_BYTES:
+        rows //= 2
+    return rows
+
+
+def choose_block_rows(num_rows_looked_up: int, row_bytes: int, placement: str) -> int:
+    """Tile rows for a lookup: 16 below the placement's measured threshold, else large tiles."""
+    if placement not in TILE_POLICY:
+        raise ValueError(f"placement is {placement!r}; expected one of {PLACEMENTS}")
+    if num_rows_looked_up < TILE_POLICY[placement]:
+        return 16
+    return large_block_rows(row_bytes)
+
+
+def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
+    """'hbm', 'host' (pinned small pages), 'host_thp' (registered huge pages) or 'peer'."""
+    if peer_bases is not None:
+        return "peer"
+    if table.is_cuda:
+        return "hbm"
+    return "host_thp" if is_huge_page_backed(table) else "host"
+
+
+def _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out) -> None:
+    if out not in OUTPUTS:
+        raise ValueError(f"out is {out!r}; expected one of {tuple(OUTPUTS)}")
+    if head_dim // 32 not in SCALE_WORDS or head_dim % 32:
+        raise ValueError(f"head_dim is {head_dim}; the kernel supports 32, 64, 128 or 256 "
+                         "(one scale word of 1-8 bytes per row)")
+    if row_ids.dim() != 2 or row_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"row_ids are {row_ids.dtype} {tuple(row_ids.shape)}; expected int64 "
+                         "[num_tokens, num_cols]")
+    if (table is None) == (peer_bases is None):
+        raise ValueError("pass exactly one of table= (packed [rows, row_bytes]) or "
+                         "peer_bases= (int64 CUDA [P] slice addresses) with rows_per_rank=")
+    if table is not None:
+        if table.dtype != torch.uint8 or table.dim() != 2 or not table.is_contiguous():
+            raise ValueError(f"table is {table.dtype} {tuple(table.shape)}; expected a "
+                             "contiguous packed uint8 [rows, row_bytes] tensor")
+        if table.shape[1] != row_bytes_for(head_dim):
+            raise ValueError(f"table rows are {table.shape[1]} bytes; expected "
+                             f"{row_bytes_for(head_dim)} for head_dim {head_dim}")
+        if not (table.is_cuda or table.is_pinned()):
+            raise ValueError("table is in pageable host memory; expected a CUDA tensor or "
+                             "pinned host memory (engram_ray.host_memory.allocate_host_table)")
+    else:
+        if peer_bases.dtype != torch.int64 or peer_bases.dim() != 1 or not peer_bases.is_cuda:
+            raise ValueError(f"peer_bases is {peer_bases.dtype} {tuple(peer_bases.shape)} on "
+                             f"{peer_bases.device}; expected int64 CUDA [P]")
+        if not rows_per_rank or rows_per_rank < 1:
+            raise ValueError(f"rows_per_rank is {rows_per_rank!r}; expected a positive int "
+                             "with peer_bases")
+
+
+def _out_device(out_device, row_ids, table, peer_bases) -> torch.device:
+    if out_device is not None:
+        return torch.device(out_device)
+    for tensor in (row_ids, peer_bases, table):
+        if tensor is not None and tensor.is_cuda:
+            return tensor.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor | None = None,
+                  peer_bases: torch.Tensor | None = None, rows_per_rank: int | None = None,
+                  out: str = "packed", block_rows: int | None = None,
+                  out_device: torch.device | str | None = None, sort_rows: bool | None = None,
+                  programs_per_sm: int | None = None, num_warps: int | None = None
+                  ) -> torch.Tensor:
+    """Look up rows; bitwise equal to `lookup_reference` / `lookup_reference_split`.
+
+    row_ids: int64 `[num_tokens, num_cols]`, -1 = no row (zeros). Ids must be < table rows.
+    table: packed uint8 `[rows, row_bytes]`, CUDA or pinned host (read through UVA).
+    peer_bases: int64 CUDA `[P]`: 16-byte aligned base address of each rank's packed slice
+        `[rows_per_rank, row_bytes]`, mapped on `out_device`; row r is local row
+        `r % rows_per_rank` of rank `r // rows_per_rank`.
+    Returns on `out_device` (default: row_ids', peer_bases' or table's CUDA device):
+    uint8 `[num_tokens, num_cols, row_bytes]` or bf16 `[num_tokens, num_cols, head_dim]`.
+    block_rows / programs_per_sm / num_warps: None = measured policy. sort_rows: None =
+    policy (small-page host tables only; output identical either way).
+    """
+    _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out)
+    device = _out_device(out_device, row_ids, table, peer_bases)
+    row_bytes = row_bytes_for(head_dim)
+    width = row_bytes if out == "packed" else head_dim
+    result = torch.empty(*row_ids.shape, width, dtype=OUTPUTS[out], device=device)
+    ids = row_ids.to(device).reshape(-1)
+    num_rows = ids.numel()
+    if num_rows == 0:
+        return result
+    placement = table_placement(table, peer_bases)
+    block_rows = block_rows or choose_block_rows(num_rows, row_bytes, placement)
+    if sort_rows is None:
+        sort_rows = num_rows >= SORT_MIN_ROWS.get(placement, 1 << 62)
+    dst_rows = ids
+    if sort_rows:
+        ids, dst_rows = ids.sort()
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = programs_per_sm or PROGRAMS_PER_SM.get(block_rows, 2)
+    num_programs = max(1, min(triton.cdiv(num_rows, block_rows), num_sms * per_sm))
+    src = table if table is not None else peer_bases
+    with torch.cuda.device(device):
+        _engram_lookup_kernel[(num_programs,)](
+            src, ids, dst_rows, result, num_rows, rows_per_rank or 1, num_programs,
+            HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
+            IS_PEER=peer_bases is not None, IS_SORTED=bool(sort_rows),
+            IS_BF16=out == "bf16", num_warps=num_warps or NUM_WARPS.get(block_rows, 4))
+    return result
