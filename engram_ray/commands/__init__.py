@@ -6,5 +6,6 @@ Modules are imported only when their command runs, so `engram-ray plan` never lo
 # name -> module under engram_ray.commands
 COMMANDS = {
     "plan": "plan",
+    "make-tiny-model": "make_tiny_model",
     "node-labels": "node_labels",
 }
