@@ -91,6 +91,8 @@ class DeploymentConfig(_Section):
                         "model preset name or path to a config.json (or its folder)")
     peer_group_size: int = _field(8, "GPUs (engines) that split each table's rows; every "
                                      "group lies inside one NVLink domain")
+    max_peer_groups: int | None = _field(None, "start at most this many peer groups (default: "
+                                               "as many as fit in the domains)")
     peer_group_store: str = _field(
         "/tmp/engram-ray/store",
         "root folder of the rendezvous stores (one 0700 folder per group and generation); "
@@ -123,6 +125,8 @@ class DeploymentConfig(_Section):
         _check_text("checkpoint", self.checkpoint, optional=True)
         _check_number("peer_group_size", self.peer_group_size, minimum=1, integer=True)
         _check_number("seed", self.seed, minimum=0, integer=True)
+        if self.max_peer_groups is not None:
+            _check_number("max_peer_groups", self.max_peer_groups, minimum=1, integer=True)
         _check_number("max_missed_pings", self.max_missed_pings, minimum=1, integer=True)
         for name in ("rendezvous_timeout_s", "placement_timeout_s", "health_check_interval_s"):
             _check_number(name, getattr(self, name), minimum=0, exclusive=True)

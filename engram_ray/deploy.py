@@ -1,0 +1,168 @@
+"""`deploy(config, address)`: peer groups of engines on a Ray cluster, one coordinator each.
+
+    discover domains (node labels) -> form peer groups inside each domain -> one placement group
+    per peer group (wait <= placement_timeout_s) -> one CoordinatorActor per group, which starts
+    one EngineActor per bundle and builds generation 1 -> `Deployment` (handles, unused slots)
+
+Usage:
+
+    from engram_ray.config import DeploymentConfig
+    from engram_ray.deploy import deploy
+    dep = deploy(DeploymentConfig(model="deepseek-v4.1-flash", peer_group_size=8), "auto")
+    dep.engines()            # {group_id: [EngineActor handle by rank]}
+    dep.status()             # {group_id: coordinator status}
+    dep.shutdown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from engram_ray.assignment import group_store_root, remove_store_dir
+from engram_ray.config import DeploymentConfig
+from engram_ray.grouping import (GroupingPlan, PeerGroupPlan, UnusedSlots, check_has_groups,
+                                 form_peer_groups)
+from engram_ray.layout import EngramLayout, load_layout
+
+_STARTUP_MARGIN_S = 60.0
+
+
+@dataclass
+class GroupHandle:
+    plan: PeerGroupPlan
+    coordinator: object
+    placement_group: object
+    engines: list = field(default_factory=list)  # last known handles, by rank
+
+
+@dataclass
+class Deployment:
+    """Handles of a running deployment. `engines()` asks the coordinators (handles change on
+    restart); `unused` lists, per domain, the slots no group uses and why."""
+
+    config: DeploymentConfig
+    layout: EngramLayout
+    grouping: GroupingPlan
+    groups: dict[str, GroupHandle]
+    startup_seconds: float = 0.0
+
+    @property
+    def coordinators(self) -> dict:
+        return {gid: g.coordinator for gid, g in self.groups.items()}
+
+    @property
+    def unused(self) -> dict[str, list[UnusedSlots]]:
+        out: dict[str, list[UnusedSlots]] = {}
+        for item in self.grouping.unused:
+            out.setdefault(item.domain_id, []).append(item)
+        return out
+
+    def engines(self, group_id: str | None = None, timeout_s: float = 30.0):
+        """Current engine handles by rank, of one group or of all (dict by group id)."""
+        import ray
+
+        ids = [group_id] if group_id else list(self.groups)
+        for gid in ids:
+            handle = self.groups[gid]
+            try:
+                handle.engines = ray.get(handle.coordinator.get_engines.remote(),
+                                         timeout=timeout_s)
+            except ray.exceptions.RayActorError:  # coordinator gone: the last known handles
+                pass
+        return self.groups[group_id].engines if group_id else {
+            gid: g.engines for gid, g in self.groups.items()}
+
+    def status(self, timeout_s: float = 30.0) -> dict:
+        import ray
+
+        return {gid: ray.get(g.coordinator.status.remote(), timeout=timeout_s)
+                for gid, g in self.groups.items()}
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Coordinators stop and kill their engines; placement groups and stores removed.
+        Returns once Ray reports the groups' slots free again (or after `timeout_s`)."""
+        from engram_ray.actors.placement import slot_resource, wait_for_free
+
+        resource, per_engine = slot_resource(self.config)
+        import ray
+
+        num_freed = sum(h.plan.size for h in self.groups.values()) * per_engine
+        target = min(ray.cluster_resources().get(resource, 0.0),
+                     ray.available_resources().get(resource, 0.0) + num_freed)
+        for group_id, handle in self.groups.items():
+            _shutdown_group(self.config, group_id, handle, timeout_s)
+        self.groups = {}
+        wait_for_free(resource, target, timeout_s)
+
+
+def _shutdown_group(config: DeploymentConfig, group_id: str, handle: GroupHandle,
+                    timeout_s: float) -> None:
+    import ray
+
+    from engram_ray.actors.placement import release_group
+
+    try:
+        handle.engines = ray.get(handle.coordinator.get_engines.remote(), timeout=timeout_s)
+        ray.get(handle.coordinator.shutdown.remote(), timeout=timeout_s)
+    except Exception:  # coordinator dead or stuck: kill what we know of
+        pass
+    for actor in [*handle.engines, handle.coordinator]:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+    release_group(handle.placement_group)
+    remove_store_dir(group_store_root(config.peer_group_store, config.name, group_id))
+
+
+def limit_groups(plan: GroupingPlan, max_groups: int | None) -> GroupingPlan:
+    """Keep the first `max_groups` groups; the slots of the others are reported unused."""
+    if max_groups is None or len(plan.groups) <= max_groups:
+        return plan
+    kept, dropped = plan.groups[:max_groups], plan.groups[max_groups:]
+    extra = tuple(UnusedSlots(g.domain.domain_id, g.size,
+                              f"group {g.group_id} not started: max_peer_groups={max_groups}")
+                  for g in dropped)
+    return dataclasses.replace(plan, groups=kept, unused=plan.unused + extra)
+
+
+def plan_groups(config: DeploymentConfig) -> GroupingPlan:
+    """Peer groups for the cluster Ray is connected to (raises when not one fits)."""
+    from engram_ray.actors.placement import discover_domains
+
+    plan = form_peer_groups(discover_domains(config), config.peer_group_size)
+    check_has_groups(plan, "CPU slot" if config.is_cpu_only else "GPU")
+    return limit_groups(plan, config.max_peer_groups)
+
+
+def deploy(config: DeploymentConfig, address: str | None = None, *, engine_factory=None,
+           **ray_init_kwargs) -> Deployment:
+    """Start every peer group that fits; see the module docstring. Raises `PlacementError`
+    when the groups cannot be placed, and the group's error when one fails to start."""
+    import ray
+
+    from engram_ray.actors.coordinator import CoordinatorActor
+    from engram_ray.actors.placement import reserve_group
+
+    if not ray.is_initialized():
+        ray.init(address=address, **ray_init_kwargs)
+    started = time.perf_counter()
+    layout = load_layout(config.model)
+    plan = plan_groups(config)
+    deployment = Deployment(config, layout, plan, {})
+    try:
+        for group in plan.groups:
+            pg = reserve_group(group, config)
+            coordinator = CoordinatorActor.options(
+                label_selector=dict(group.domain.selector)).remote(
+                config, layout, group, pg, engine_factory)
+            deployment.groups[group.group_id] = GroupHandle(group, coordinator, pg)
+        starts = [g.coordinator.start.remote() for g in deployment.groups.values()]
+        ray.get(starts, timeout=config.rendezvous_timeout_s + _STARTUP_MARGIN_S)
+    except BaseException:
+        deployment.shutdown()
+        raise
+    deployment.startup_seconds = time.perf_counter() - started
+    return deployment
