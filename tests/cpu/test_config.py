@@ -1,0 +1,73 @@
+"""Deployment config: defaults, validation naming the field, YAML boundary, bundles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engram_ray.config import DeploymentConfig, load_deployment_config
+from engram_ray.errors import ConfigError
+
+
+def test_defaults_are_valid_and_every_field_is_described():
+    config = DeploymentConfig()
+    assert config.peer_group_size == 8 and config.table_backend == "cuda"
+    docs = DeploymentConfig.describe_fields()
+    assert set(docs) == {f.name for f in dataclasses.fields(DeploymentConfig)}
+    assert all(len(text) > 10 for text in docs.values())
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DeploymentConfig().peer_group_size = 2
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(peer_group_size=0), "peer_group_size"),
+    (dict(peer_group_size=True), "peer_group_size"),
+    (dict(table_backend="nccl"), "table_backend"),
+    (dict(fill="random"), "fill"),
+    (dict(fill="checkpoint"), "checkpoint"),
+    (dict(rendezvous_timeout_s=0), "rendezvous_timeout_s"),
+    (dict(placement_timeout_s="soon"), "placement_timeout_s"),
+    (dict(num_gpus_per_engine=2), "num_gpus_per_engine"),
+    (dict(num_gpus_per_engine=0, table_backend="shm", num_cpus_per_engine=0),
+     "num_cpus_per_engine"),
+    (dict(num_gpus_per_engine=0), "table_backend"),
+    (dict(domain_label_key=""), "domain_label_key"),
+    (dict(max_peer_groups=0), "max_peer_groups"),
+])
+def test_invalid_values_name_the_field(changes, field):
+    with pytest.raises(ConfigError) as info:
+        DeploymentConfig(**changes)
+    assert info.value.field == field
+    assert "expected" in str(info.value)
+
+
+def test_unknown_keys_are_rejected_by_name():
+    with pytest.raises(ConfigError, match="peer_group_sise: is not a known setting") as info:
+        DeploymentConfig.from_dict({"peer_group_sise": 4}, "deploy.yaml")
+    assert "peer_group_size" in str(info.value)  # the list of known settings
+
+
+def test_yaml_boundary(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text("model: deepseek-v4.1-flash\npeer_group_size: 4\ntable_backend: shm\n"
+                    "num_gpus_per_engine: 0\nnum_cpus_per_engine: 0.5\n")
+    config = load_deployment_config(str(path))
+    assert (config.peer_group_size, config.table_backend) == (4, "shm")
+    assert config.table_device == "cpu" and config.is_cpu_only
+    assert DeploymentConfig.from_dict(config.to_dict()) == config
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="a mapping of settings"):
+        load_deployment_config(str(path))
+    with pytest.raises(ConfigError, match="not a file"):
+        load_deployment_config(str(tmp_path / "missing.yaml"))
+
+
+def test_bundles_follow_the_engine_resources():
+    assert DeploymentConfig().bundle == {"GPU": 1.0, "CPU": 1.0}
+    assert DeploymentConfig(num_cpus_per_engine=0).bundle == {"GPU": 1.0}
+    cpu = DeploymentConfig(num_gpus_per_engine=0, num_cpus_per_engine=2, table_backend="shm")
+    assert cpu.bundle == {"CPU": 2.0}
