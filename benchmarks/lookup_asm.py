@@ -2,7 +2,8 @@
 
 Evidence for the wide packed-row loads: the widths of the global loads/stores in the PTX
 (`ld.global.v2.b32` = 8 bytes) and SASS (`LDG.E.64`), registers and spills per variant.
-Usage: python benchmarks/lookup_asm.py [--out DIR]   (writes one .ptx/.sass per variant)
+Usage: python benchmarks/lookup_asm.py [--out FILE]  (the summary plus every global memory
+instruction of the 128-row packed and bf16 kernels, from PTX and SASS)
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    print(f"triton {triton.__version__}, target sm_90")
+    report = [f"triton {triton.__version__}, target sm_90"]
+    excerpts = []
     for block_rows in (16, 128):
         for is_bf16 in (False, True):
             for is_peer, is_sorted in ((False, False), (True, False), (False, True)):
@@ -85,11 +87,17 @@ def main() -> None:
                 info, ptx, sass = summarize(kernel)
                 name = (f"lookup_r{block_rows}_{'bf16' if is_bf16 else 'packed'}"
                         f"{'_peer' if is_peer else ''}{'_sorted' if is_sorted else ''}")
-                print(name, info)
-                if args.out is not None and block_rows == 128 and not is_peer and not is_sorted:
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / f"{name}.ptx").write_text(ptx)
-                    (args.out / f"{name}.sass").write_text(sass)
+                report.append(f"{name} {info}")
+                if block_rows == 128 and not is_peer and not is_sorted:
+                    excerpts.append(f"== {name}: PTX global memory and conversion instructions")
+                    excerpts += [line.strip() for line in ptx.splitlines()
+                                 if MEMORY_OP.search(line) or "cvt.rn" in line][:80]
+                    excerpts.append(f"== {name}: SASS global memory instructions")
+                    excerpts += [line.strip() for line in sass.splitlines()
+                                 if SASS_OP.search(line)][:80]
+    print("\n".join(report))
+    if args.out is not None:
+        args.out.write_text("\n".join(report + [""] + excerpts) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ PROGRAMS_PER_SM = {16: 4, 128: 2}
 NUM_WARPS = {16: 4, 128: 8}
 # Small-page host tables: sort ids of lookups this large so rows on one page share a TLB miss.
 SORT_MIN_ROWS = {"host": 1 << 62}
+# Non-empty while Triton accepts pinned host tensors as pointers (it resolves their UVA address).
+_HOST_POINTERS_OK = [True]
 
 
 @triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
@@ -157,7 +159,11 @@ def _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out) -> Non
 
 def _out_device(out_device, row_ids, table, peer_bases) -> torch.device:
     if out_device is not None:
-        return torch.device(out_device)
+        device = torch.device(out_device)
+        if device.type != "cuda":
+            raise ValueError(f"out_device is {device}; expected a CUDA device")
+        return device if device.index is not None else torch.device(
+            "cuda", torch.cuda.current_device())
     for tensor in (row_ids, peer_bases, table):
         if tensor is not None and tensor.is_cuda:
             return tensor.device
@@ -168,8 +174,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   peer_bases: torch.Tensor | None = None, rows_per_rank: int | None = None,
                   out: str = "packed", block_rows: int | None = None,
                   out_device: torch.device | str | None = None, sort_rows: bool | None = None,
-                  programs_per_sm: int | None = None, num_warps: int | None = None
-                  ) -> torch.Tensor:
+                  programs_per_sm: int | None = None, num_warps: int | None = None,
+                  into: torch.Tensor | None = None) -> torch.Tensor:
     """Look up rows; bitwise equal to `lookup_reference` / `lookup_reference_split`.
 
     row_ids: int64 `[num_tokens, num_cols]`, -1 = no row (zeros). Ids must be < table rows.
@@ -181,18 +187,28 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     uint8 `[num_tokens, num_cols, row_bytes]` or bf16 `[num_tokens, num_cols, head_dim]`.
     block_rows / programs_per_sm / num_warps: None = measured policy. sort_rows: None =
     policy (small-page host tables only; output identical either way).
+    into: optional preallocated output (contiguous, the shape and dtype above) to write.
     """
     _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out)
     device = _out_device(out_device, row_ids, table, peer_bases)
     row_bytes = row_bytes_for(head_dim)
     width = row_bytes if out == "packed" else head_dim
-    result = torch.empty(*row_ids.shape, width, dtype=OUTPUTS[out], device=device)
+    shape = (*row_ids.shape, width)
+    result = into if into is not None else torch.empty(shape, dtype=OUTPUTS[out], device=device)
+    if (result.shape != shape or result.dtype != OUTPUTS[out] or result.device != device
+            or not result.is_contiguous()):
+        raise ValueError(f"into is {result.dtype} {tuple(result.shape)} on {result.device}; "
+                         f"expected contiguous {OUTPUTS[out]} {shape} on {device}")
     ids = row_ids.to(device).reshape(-1)
     num_rows = ids.numel()
     if num_rows == 0:
         return result
+    if num_rows >= 1 << 31:
+        raise ValueError(f"lookup of {num_rows} rows; expected fewer than 2^31 per call")
     placement = table_placement(table, peer_bases)
     block_rows = block_rows or choose_block_rows(num_rows, row_bytes, placement)
+    if block_rows & (block_rows - 1) or not 1 <= block_rows <= 512:
+        raise ValueError(f"block_rows is {block_rows}; expected a power of two in [1, 512]")
     if sort_rows is None:
         sort_rows = num_rows >= SORT_MIN_ROWS.get(placement, 1 << 62)
     dst_rows = ids
@@ -201,11 +217,26 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = programs_per_sm or PROGRAMS_PER_SM.get(block_rows, 2)
     num_programs = max(1, min(triton.cdiv(num_rows, block_rows), num_sms * per_sm))
-    src = table if table is not None else peer_bases
+    if table is not None and not table.is_cuda and not _HOST_POINTERS_OK:
+        # Triton refused a pinned host pointer once: address the table as a one-rank peer table.
+        peer_bases = torch.tensor([table.data_ptr()], dtype=torch.int64, device=device)
+        table, rows_per_rank = None, table.shape[0]
+    launch = dict(dst_rows=dst_rows, out=result, num_rows=num_rows,
+                  rows_per_rank=rows_per_rank or 1, num_programs=num_programs,
+                  HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
+                  IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
+                  num_warps=num_warps or NUM_WARPS.get(block_rows, 4))
     with torch.cuda.device(device):
-        _engram_lookup_kernel[(num_programs,)](
-            src, ids, dst_rows, result, num_rows, rows_per_rank or 1, num_programs,
-            HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
-            IS_PEER=peer_bases is not None, IS_SORTED=bool(sort_rows),
-            IS_BF16=out == "bf16", num_warps=num_warps or NUM_WARPS.get(block_rows, 4))
+        try:
+            _engram_lookup_kernel[(num_programs,)](
+                table if table is not None else peer_bases, ids,
+                IS_PEER=peer_bases is not None, **launch)
+        except ValueError as exc:
+            if table is None or table.is_cuda or "cannot be accessed" not in str(exc):
+                raise
+            _HOST_POINTERS_OK.clear()
+            return engram_lookup(row_ids, head_dim=head_dim, table=table, out=out,
+                                 block_rows=block_rows, out_device=device, sort_rows=sort_rows,
+                                 programs_per_sm=programs_per_sm, num_warps=num_warps,
+                                 into=result)
     return result

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Lookup kernels on a lent GPU machine (the `run` device tool), from the repository root:
+# installs the checkout, runs tests/gpu, dumps PTX/SASS evidence and runs the benchmark.
+# Everything lands in $OUT (at most 8 files): env.txt pytest.log asm.txt bench.log bench.json
+# bench.md [sweep.json].
+# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_kernels.sh [quick|full]
+#   quick: tests + sweep of tile shapes + a short benchmark; full: tests + the benchmark.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+MODE=${1:-full}
+OUT=${OUT:-/tmp/engram_out}
+mkdir -p "$OUT"
+{
+    date -u; echo "commit ${ENGRAM_COMMIT:-unknown}"; nvidia-smi; nvidia-smi topo -m
+    cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "installed"
+} > "$OUT/env.txt" 2>&1
+tail -3 "$OUT/env.txt"
+
+t0=$SECONDS
+timeout 330 python3 -m pytest tests/gpu/test_lookup.py -m "gpu or multi_gpu" -q -p no:cacheprovider \
+    -rfEs --timeout 150 -s > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
+
+t0=$SECONDS
+timeout 90 python3 benchmarks/lookup_asm.py --out "$OUT/asm.txt" > /dev/null 2>&1
+echo "asm rc=$? in $((SECONDS - t0)) s"; head -13 "$OUT/asm.txt" | cut -c1-200
+
+t0=$SECONDS
+if [ "$MODE" = quick ]; then
+    BENCH=(--sweep "$OUT/sweep.json" --budget-s 0.2)
+    LIMIT=260
+else
+    BENCH=(--budget-s 0.5)
+    LIMIT=330
+fi
+timeout $LIMIT python3 benchmarks/bench_lookup.py --json "$OUT/bench.json" --md "$OUT/bench.md" \
+    "${BENCH[@]}" > "$OUT/bench.log" 2>&1
+echo "bench rc=$? in $((SECONDS - t0)) s"
+grep -v '^{' "$OUT/bench.log" | tail -100

@@ -1,0 +1,202 @@
+"""Every lookup kernel variant against the torch reference, bit for bit (`torch.equal`).
+
+Variants: 16-row, 128-row and policy tiles x packed and bf16 output x table in HBM, pinned host
+(small pages, unsorted and sorted ids), host on transparent huge pages, peer slices on one GPU
+and across two GPUs. Tables are larger than 2^31 bytes (a third of the rows sit past 2^31 bytes),
+ids are fresh per test, -1 ids and the first and last rows are always looked up, and outputs
+are poisoned before each launch so an unwritten byte cannot pass.
+"""
+
+import pytest
+import torch
+
+from engram_ray.reference import lookup_reference, lookup_reference_split, random_table
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIM = 256
+ROW_BYTES = 264
+NUM_ROWS = 12_000_000                   # 3.17 GB: rows past 8.13M sit beyond 2^31 bytes
+ROWS_PER_RANK = 9_000_000               # slice 0: 2.38 GB, slice 1: the last 3M rows
+assert NUM_ROWS * ROW_BYTES > 2**31 and ROWS_PER_RANK * ROW_BYTES > 2**31
+# (num_tokens, num_cols): 0, 1, 15, 17, 127, 129 and ~1M rows looked up.
+SHAPES = [(0, 24), (1, 1), (1, 15), (1, 17), (127, 1), (43, 3), (43691, 24)]
+BLOCKS = [16, 128, None]
+OUTS = ["packed", "bf16"]
+
+
+def _lookup(**kwargs):
+    from engram_ray.kernels.lookup import engram_lookup
+    return engram_lookup(head_dim=HEAD_DIM, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def hbm_table():
+    generator = torch.Generator(device="cuda:0").manual_seed(2026)
+    return random_table(NUM_ROWS, HEAD_DIM, generator=generator, device="cuda:0")
+
+
+def _host_copy(hbm_table, use_thp):
+    from engram_ray.host_memory import allocate_host_table
+    table = allocate_host_table(hbm_table.numel(), use_thp=use_thp).view(-1, ROW_BYTES)
+    table.copy_(hbm_table)
+    return table
+
+
+@pytest.fixture(scope="module")
+def host_table(hbm_table):
+    return _host_copy(hbm_table, use_thp=False)
+
+
+@pytest.fixture(scope="module")
+def thp_table(hbm_table):
+    return _host_copy(hbm_table, use_thp=True)
+
+
+def _enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels on `device` read `peer`'s memory (cudaDeviceEnablePeerAccess)."""
+    from cuda.bindings import runtime
+    assert torch.cuda.can_device_access_peer(device, peer)
+    torch.cuda.synchronize(device)
+    (error, previous) = runtime.cudaGetDevice()
+    runtime.cudaSetDevice(device)
+    (error,) = runtime.cudaDeviceEnablePeerAccess(peer, 0)
+    runtime.cudaSetDevice(previous)
+    ok = (runtime.cudaError_t.cudaSuccess, runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled)
+    assert error in ok, error
+
+
+@pytest.fixture(scope="module")
+def two_gpu_slices(hbm_table):
+    """Slice 0 on cuda:0 (a view of the table), slice 1 (the last, shorter) on cuda:1."""
+    _enable_peer_access(0, 1)
+    _enable_peer_access(1, 0)
+    return [hbm_table[:ROWS_PER_RANK], hbm_table[ROWS_PER_RANK:].to("cuda:1")]
+
+
+def _row_ids(shape, seed, device="cuda:0"):
+    """Uniform random rows, ~5% -1, and the first and last row whenever there is room."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, NUM_ROWS, shape, generator=generator, device=device)
+    ids[torch.rand(shape, generator=generator, device=device) < 0.05] = -1
+    flat = ids.view(-1)
+    for position, row in ((0, 0), (-1, NUM_ROWS - 1), (1, -1), (-2, ROWS_PER_RANK - 1),
+                          (2, ROWS_PER_RANK)):
+        if flat.numel() > 4:
+            flat[position] = row
+    return ids
+
+
+def _poisoned(shape, out, device="cuda:0"):
+    width = ROW_BYTES if out == "packed" else HEAD_DIM
+    result = torch.empty(*shape, width, dtype=torch.uint8 if out == "packed" else torch.bfloat16,
+                         device=device)
+    result.view(torch.uint8).fill_(0xA5)
+    return result
+
+
+def _assert_bitwise(got, expected):
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert got.device == expected.device
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def _check(table_for_reference, shape, out, seed, device="cuda:0", **kwargs):
+    ids = _row_ids(shape, seed, device)
+    into = _poisoned(shape, out, device)
+    got = _lookup(row_ids=ids, out=out, into=into, **kwargs)
+    assert got.data_ptr() == into.data_ptr()
+    torch.cuda.synchronize(device)
+    _assert_bitwise(got, lookup_reference(table_for_reference, ids, HEAD_DIM, out=out))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
+@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("out", OUTS)
+def test_hbm(hbm_table, out, block_rows, shape):
+    _check(hbm_table, shape, out, seed=hash((out, block_rows, shape)) % 2**31,
+           table=hbm_table, block_rows=block_rows)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
+@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("out", OUTS)
+@pytest.mark.parametrize("sort_rows", [False, True], ids=["unsorted", "sorted"])
+def test_host_pinned(host_table, sort_rows, out, block_rows, shape):
+    _check(host_table, shape, out, seed=hash((sort_rows, out, block_rows, shape)) % 2**31,
+           table=host_table, block_rows=block_rows, sort_rows=sort_rows)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
+@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("out", OUTS)
+def test_host_thp(thp_table, out, block_rows, shape):
+    _check(thp_table, shape, out, seed=hash(("thp", out, block_rows, shape)) % 2**31,
+           table=thp_table, block_rows=block_rows)
+
+
+def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
+    from engram_ray.host_memory import huge_page_bytes, is_huge_page_backed
+    from engram_ray.kernels.lookup import table_placement
+    assert thp_table.is_pinned() and is_huge_page_backed(thp_table)
+    assert table_placement(thp_table, None) == "host_thp"
+    assert table_placement(host_table, None) == "host"
+    fraction = huge_page_bytes(thp_table) / thp_table.nbytes
+    print(f"THP table: {fraction:.1%} of {thp_table.nbytes} bytes on huge pages")
+    assert fraction > 0.5
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
+@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("out", OUTS)
+def test_peer_slices_one_gpu(hbm_table, out, block_rows, shape):
+    slices = list(hbm_table.split(ROWS_PER_RANK))
+    bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
+    _check(hbm_table, shape, out, seed=hash(("peer1", out, block_rows, shape)) % 2**31,
+           peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=block_rows)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
+@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("out", OUTS)
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+def test_peer_slices_two_gpus(hbm_table, two_gpu_slices, device, out, block_rows, shape):
+    bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device=device)
+    seed = hash(("peer2", device, out, block_rows, shape)) % 2**31
+    ids = _row_ids(shape, seed, device)
+    into = _poisoned(shape, out, device)
+    got = _lookup(row_ids=ids, out=out, into=into, peer_bases=bases,
+                  rows_per_rank=ROWS_PER_RANK, block_rows=block_rows)
+    torch.cuda.synchronize(device)
+    expected = lookup_reference_split(two_gpu_slices, ROWS_PER_RANK, ids, HEAD_DIM, out=out)
+    _assert_bitwise(got, expected)
+    _assert_bitwise(expected.to("cuda:0"), lookup_reference(hbm_table, ids.to("cuda:0"),
+                                                            HEAD_DIM, out=out))
+
+
+def test_subnormal_and_overflowing_products_match(hbm_table):
+    """Every scale byte 0..254 on the first rows: subnormal, normal and infinite bf16 results."""
+    table = hbm_table[:4096].clone()
+    table[:, HEAD_DIM:] = torch.arange(4096 * 8, device="cuda:0").view(4096, 8).remainder(255)
+    ids = torch.arange(4096, device="cuda:0").view(128, 32)
+    for block_rows in (16, 128):
+        got = _lookup(row_ids=ids, table=table, out="bf16", block_rows=block_rows)
+        _assert_bitwise(got, lookup_reference(table, ids, HEAD_DIM, out="bf16"))
+
+
+def test_policy_and_argument_errors(hbm_table):
+    from engram_ray.kernels.lookup import TILE_POLICY, choose_block_rows, large_block_rows
+    for placement, threshold in TILE_POLICY.items():
+        assert choose_block_rows(threshold - 1, ROW_BYTES, placement) == 16
+        assert choose_block_rows(threshold, ROW_BYTES, placement) == 128
+    assert large_block_rows(2048) == 16 and large_block_rows(528) == 64
+    ids = torch.zeros(2, 3, dtype=torch.int64, device="cuda:0")
+    with pytest.raises(ValueError, match="exactly one of"):
+        _lookup(row_ids=ids)
+    with pytest.raises(ValueError, match="pageable host memory"):
+        _lookup(row_ids=ids, table=torch.zeros(4, ROW_BYTES, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="expected one of"):
+        _lookup(row_ids=ids, table=hbm_table, out="fp8")
+    with pytest.raises(ValueError, match="power of two"):
+        _lookup(row_ids=ids, table=hbm_table, block_rows=24)
