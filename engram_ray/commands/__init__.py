@@ -7,5 +7,6 @@ Modules are imported only when their command runs, so `engram-ray plan` never lo
 COMMANDS = {
     "plan": "plan",
     "make-tiny-model": "make_tiny_model",
+    "doctor": "doctor",
     "node-labels": "node_labels",
 }

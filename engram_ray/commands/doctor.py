@@ -1,0 +1,200 @@
+"""`engram-ray doctor`: what the peer-group path needs on this node, and what it finds.
+
+Each line is `[ ok ]`, `[info]`, `[warn]` or `[FAIL]` with what was found and, where not ok,
+what to do. Exit code 0 when the peer path can run here (or there are no GPUs, which is said),
+1 when a GPU node lacks something it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+HELP = "check this node for the peer-group table path (GPUs, NVLink, VMM, handles, pidfd, shm)"
+THP_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
+CAP_SYS_PTRACE_BIT = 19
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str   # ok, info, warn, fail
+    detail: str
+
+
+def configure(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory folder to check")
+
+
+def run(args) -> int:
+    checks = host_checks(args.shm_dir) + gpu_checks()
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(f"[{c.status.upper() if c.status == 'fail' else c.status:^4}] "
+                  f"{c.name}: {c.detail}")
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+# --- host -------------------------------------------------------------------------------
+
+def host_checks(shm_dir: str) -> list[Check]:
+    return [check_shm(shm_dir), check_thp(), check_pidfd()]
+
+
+def check_shm(shm_dir: str) -> Check:
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError as exc:
+        return Check("shared memory", "warn", f"{shm_dir}: {exc}; the shm backend needs it")
+    free = st.f_bavail * st.f_frsize / 2**30
+    return Check("shared memory", "ok" if free >= 1 else "warn",
+                 f"{free:.1f} GiB free in {shm_dir}" + ("" if free >= 1 else
+                                                       "; the shm backend needs room for tables"))
+
+
+def check_thp() -> Check:
+    try:
+        with open(THP_PATH) as f:
+            text = f.read()
+    except OSError:
+        return Check("transparent huge pages", "info", f"{THP_PATH} not readable")
+    mode = text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    if mode == "never":
+        return Check("transparent huge pages", "warn", "never: host-memory tables (use_thp) get "
+                     "no huge pages; `echo madvise > " + THP_PATH + "` as root")
+    return Check("transparent huge pages", "ok", mode)
+
+
+def _has_cap_sys_ptrace() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) >> CAP_SYS_PTRACE_BIT & 1)
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
+def check_pidfd() -> Check:
+    from engram_ray.peer.base import PeerMemoryError
+    from engram_ray.peer.pidfd import pidfd_getfd, ptrace_scope
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        os.close(pidfd_getfd(child.pid, 0))
+        result = "ok"
+    except (PeerMemoryError, OSError) as exc:
+        result = str(exc)
+    finally:
+        child.stdin.close()
+        child.wait()
+    scope, cap = ptrace_scope(), _has_cap_sys_ptrace()
+    detail = f"pidfd_getfd from a child: {result}; Yama ptrace_scope {scope}; CAP_SYS_PTRACE {cap}"
+    if result != "ok":
+        return Check("pidfd (POSIX-FD import)", "fail", detail + ": needs Linux >= 5.6 and "
+                     "the same user in every member or CAP_SYS_PTRACE")
+    if scope in (2, 3) and not cap:
+        return Check("pidfd (POSIX-FD import)", "warn", detail + ": between engines this scope "
+                     "needs CAP_SYS_PTRACE (or FABRIC handles)")
+    return Check("pidfd (POSIX-FD import)", "ok", detail)
+
+
+# --- GPUs -------------------------------------------------------------------------------
+
+def gpu_checks() -> list[Check]:
+    try:
+        import torch
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        num_gpus = 0
+    if num_gpus == 0:
+        return [Check("GPUs", "info", "no CUDA GPUs on this node: the peer path (backend cuda) "
+                      "needs GPUs; the shm backend works here for development")]
+    names = {torch.cuda.get_device_name(i) for i in range(num_gpus)}
+    checks = [Check("GPUs", "ok", f"{num_gpus} x {', '.join(sorted(names))}"), check_peers()]
+    try:
+        from engram_ray.peer import cuda_driver as drv
+        drv.driver()
+    except Exception as exc:  # noqa: BLE001 - every failure is a finding here
+        return checks + [Check("cuda-bindings", "fail", f"{exc}")]
+    checks += [check_vmm(drv, num_gpus), check_fabric(drv), check_posix_fd(drv)]
+    return checks + check_nvml_fabric(num_gpus)
+
+
+def check_peers() -> Check:
+    import torch
+    num_gpus = torch.cuda.device_count()
+    pairs = [(i, j) for i in range(num_gpus) for j in range(num_gpus) if i != j]
+    missing = [p for p in pairs if not torch.cuda.can_device_access_peer(*p)]
+    if not pairs:
+        return Check("NVLink peers", "info", "one GPU: a peer group of 1 (whole local tables)")
+    if missing:
+        return Check("NVLink peers", "fail", f"no peer access for GPU pairs {missing}: peer "
+                     "groups must stay inside one NVLink domain (check `nvidia-smi topo -m`)")
+    return Check("NVLink peers", "ok", f"peer access between all {num_gpus} GPUs "
+                 f"({_nvlink_summary()})")
+
+
+def _nvlink_summary() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "nvidia-smi topo unavailable"
+    links = sorted({w for line in out.splitlines() for w in line.split() if w.startswith("NV")
+                    and w[2:].isdigit()})
+    return "links " + ",".join(links) if links else "no NV# links in nvidia-smi topo -m"
+
+
+def check_vmm(drv, num_gpus: int) -> Check:
+    bad = [i for i in range(num_gpus) if not drv.device_attribute(
+        i, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED")]
+    if bad:
+        return Check("CUDA VMM", "fail", f"GPUs {bad} lack virtual memory management: "
+                     "update the driver (>= 11.2 API)")
+    return Check("CUDA VMM", "ok", "cuMemCreate/cuMemMap supported")
+
+
+def check_fabric(drv) -> Check:
+    attr = drv.device_attribute(0, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED")
+    channels = drv.imex_channels()
+    trial = drv.trial_allocation(0, "fabric") if attr else "not attempted"
+    detail = (f"attribute {attr}; trial cuMemCreate(FABRIC): {trial}; IMEX channels in "
+              f"{drv.IMEX_CHANNEL_DIR}: {channels or 'none'}")
+    if trial == "ok":
+        return Check("FABRIC handles", "ok", detail)
+    return Check("FABRIC handles", "info", detail + ": groups across hosts need the IMEX "
+                 "daemon and a channel (nvidia-imex, /dev/nvidia-caps-imex-channels/channel0); "
+                 "one host uses POSIX FDs")
+
+
+def check_posix_fd(drv) -> Check:
+    trial = drv.trial_allocation(0, "posix_fd")
+    if trial == "ok":
+        return Check("POSIX-FD handles", "ok", "cuMemCreate + cuMemExportToShareableHandle")
+    return Check("POSIX-FD handles", "fail", f"trial export: {trial}: one-host groups need it")
+
+
+def check_nvml_fabric(num_gpus: int) -> list[Check]:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001
+        return [Check("NVML fabric state", "info", f"NVML unavailable ({exc}); "
+                      "pip install nvidia-ml-py")]
+    states = []
+    for i in range(num_gpus):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        try:
+            info = pynvml.nvmlDeviceGetGpuFabricInfo(handle)
+            states.append(f"GPU {i}: state {info.state} status {info.status}")
+        except Exception as exc:  # noqa: BLE001 - NOT_SUPPORTED on non-NVSwitch-fabric systems
+            states.append(f"GPU {i}: {exc}")
+    pynvml.nvmlShutdown()
+    return [Check("NVML fabric state", "info", "; ".join(states) + " (state 3 = completed; "
+                  "needed for multi-node NVLink only)")]

@@ -1,0 +1,32 @@
+"""`engram-ray doctor` through the console script: one line per check, exit 0 without GPUs."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+
+def run_doctor(*args):
+    return subprocess.run(["engram-ray", "doctor", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_doctor_without_gpus_says_so_and_exits_0():
+    result = run_doctor()
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert any(line.startswith("[info] GPUs: no CUDA GPUs on this node") for line in lines)
+    assert any(line.startswith("[ ok ] shared memory:") and "GiB free" in line for line in lines)
+    assert any("pidfd (POSIX-FD import)" in line for line in lines)
+    assert all(line[:6] in ("[ ok ]", "[info]", "[warn]", "[FAIL]") for line in lines)
+
+
+def test_doctor_json_and_bad_shm_dir(tmp_path, capsys):
+    from engram_ray.cli import main
+    main(["doctor", "--json", "--shm-dir", str(tmp_path / "missing")])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["shared memory"]["status"] == "warn"
+    assert "No such file or directory" in checks["shared memory"]["detail"]
+    assert {"transparent huge pages", "GPUs"} <= set(checks)
