@@ -129,12 +129,17 @@ class CoordinatorActor:
                 if num_missed[rank] >= self.config.max_missed_pings:
                     broken[rank] = f"missed {num_missed[rank]} pings"
                 continue
-            num_missed[rank] = 0
             try:
                 member_state = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                num_missed[rank] += 1  # briefly unreachable: counted like a missed ping
+                if num_missed[rank] >= self.config.max_missed_pings:
+                    broken[rank] = f"unreachable for {num_missed[rank]} pings"
+                continue
             except ray.exceptions.RayActorError as exc:
                 broken[rank] = f"died ({type(exc).__name__})"
                 continue
+            num_missed[rank] = 0
             if member_state in _BROKEN_MEMBER_STATES and self.state == READY:
                 broken[rank] = f"reports {member_state}"
         for rank in broken:
@@ -174,11 +179,10 @@ class CoordinatorActor:
         return list(self.engines)
 
     def status(self) -> dict:
-        members = [{"rank": rank, "actor_id": engine._actor_id.hex() if engine else None,
-                    "node_id": self.reports.get(rank, {}).get("node_id"),
-                    "owned_bytes": self.reports.get(rank, {}).get("owned_bytes"),
-                    "local_bytes": self.reports.get(rank, {}).get("local_bytes")}
-                   for rank, engine in enumerate(self.engines)]
+        members = [{"rank": rank, **{key: self.reports.get(rank, {}).get(key) for key in (
+                        "actor_id", "node_id", "owned_bytes", "local_bytes",
+                        "rendezvous_seconds")}}
+                   for rank in range(self.group.size)]
         return {"group_id": self.group.group_id, "domain_id": self.group.domain.domain_id,
                 "size": self.group.size, "state": self.state, "reason": self.reason,
                 "is_ready": self.state == READY, "generation": self.generation,

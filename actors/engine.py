@@ -51,8 +51,8 @@ class EngineActor:
         report = self.member.build(assignment)
         if self.engine_factory is not None:
             self.engine = self.engine_factory(self.member.tables, assignment)
-        report["node_id"] = ray.get_runtime_context().get_node_id()
-        return report
+        context = ray.get_runtime_context()
+        return dict(report, node_id=context.get_node_id(), actor_id=context.get_actor_id())
 
     def drop(self, reason: str) -> None:
         """Release the old generation's tables and peer mappings."""
@@ -88,8 +88,8 @@ class EngineActor:
             try:
                 ray.get(self._coordinator.ping.remote(), timeout=max(interval, 1.0))
                 num_missed = 0
-            except ray.exceptions.GetTimeoutError:
-                num_missed += 1
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+                num_missed += 1  # slow or briefly unreachable, not dead (yet)
                 if num_missed >= self.config.max_missed_pings:
                     self._lose_coordinator(f"coordinator missed {num_missed} pings")
                     return

@@ -47,6 +47,7 @@ class Deployment:
     grouping: GroupingPlan
     groups: dict[str, GroupHandle]
     startup_seconds: float = 0.0
+    engine_factory: object = None
 
     @property
     def coordinators(self) -> dict:
@@ -80,6 +81,22 @@ class Deployment:
         return {gid: ray.get(g.coordinator.status.remote(), timeout=timeout_s)
                 for gid, g in self.groups.items()}
 
+    def restart_group(self, group_id: str) -> dict:
+        """A new coordinator and new engines for a group (e.g. after its coordinator died),
+        in the same placement group; its status once ready."""
+        import ray
+
+        handle = self.groups[group_id]
+        self.engines(group_id)
+        for actor in [*handle.engines, handle.coordinator]:
+            _kill(actor)
+        remove_store_dir(group_store_root(self.config.peer_group_store, self.config.name,
+                                          group_id))
+        handle.coordinator = _new_coordinator(self.config, self.layout, handle.plan,
+                                              handle.placement_group, self.engine_factory)
+        return ray.get(handle.coordinator.start.remote(),
+                       timeout=self.config.rendezvous_timeout_s + _STARTUP_MARGIN_S)
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Coordinators stop and kill their engines; placement groups and stores removed.
         Returns once Ray reports the groups' slots free again (or after `timeout_s`)."""
@@ -109,12 +126,26 @@ def _shutdown_group(config: DeploymentConfig, group_id: str, handle: GroupHandle
     except Exception:  # coordinator dead or stuck: kill what we know of
         pass
     for actor in [*handle.engines, handle.coordinator]:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass
+        _kill(actor)
     release_group(handle.placement_group)
     remove_store_dir(group_store_root(config.peer_group_store, config.name, group_id))
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead
+        pass
+
+
+def _new_coordinator(config, layout, group: PeerGroupPlan, pg, engine_factory):
+    from engram_ray.actors.coordinator import CoordinatorActor
+
+    # The coordinator sits in its domain: the store path must be the one its engines see.
+    return CoordinatorActor.options(label_selector=dict(group.domain.selector)).remote(
+        config, layout, group, pg, engine_factory)
 
 
 def limit_groups(plan: GroupingPlan, max_groups: int | None) -> GroupingPlan:
@@ -143,7 +174,6 @@ def deploy(config: DeploymentConfig, address: str | None = None, *, engine_facto
     when the groups cannot be placed, and the group's error when one fails to start."""
     import ray
 
-    from engram_ray.actors.coordinator import CoordinatorActor
     from engram_ray.actors.placement import reserve_group
 
     if not ray.is_initialized():
@@ -151,13 +181,11 @@ def deploy(config: DeploymentConfig, address: str | None = None, *, engine_facto
     started = time.perf_counter()
     layout = load_layout(config.model)
     plan = plan_groups(config)
-    deployment = Deployment(config, layout, plan, {})
+    deployment = Deployment(config, layout, plan, {}, engine_factory=engine_factory)
     try:
         for group in plan.groups:
             pg = reserve_group(group, config)
-            coordinator = CoordinatorActor.options(
-                label_selector=dict(group.domain.selector)).remote(
-                config, layout, group, pg, engine_factory)
+            coordinator = _new_coordinator(config, layout, group, pg, engine_factory)
             deployment.groups[group.group_id] = GroupHandle(group, coordinator, pg)
         starts = [g.coordinator.start.remote() for g in deployment.groups.values()]
         ray.get(starts, timeout=config.rendezvous_timeout_s + _STARTUP_MARGIN_S)

@@ -172,6 +172,12 @@ class TestGroupsOfTwo:
                   for e in group]
         assert all(ray.get([e.is_healthy.remote() for e in others]))
 
+    def test_group_without_coordinator_can_be_restarted(self, deployment, layout, full_tables):
+        group_id = sorted(deployment.groups)[-1]
+        status = deployment.restart_group(group_id)
+        assert status["state"] == "ready" and status["domain_id"] == "B"
+        _check_bit_exact(deployment.engines(group_id), layout, full_tables)
+
 
 def test_groups_of_four_fill_domain_a_and_report_b(cluster, model_dir, tmp_path, layout,
                                                   full_tables):
