@@ -119,7 +119,7 @@ def gpu_checks() -> list[Check]:
     checks = [Check("GPUs", "ok", f"{num_gpus} x {', '.join(sorted(names))}"), check_peers()]
     try:
         from engram_ray.peer import cuda_driver as drv
-        drv.driver()
+        drv.use_device(0)
     except Exception as exc:  # noqa: BLE001 - every failure is a finding here
         return checks + [Check("cuda-bindings", "fail", f"{exc}")]
     checks += [check_vmm(drv, num_gpus), check_fabric(drv), check_posix_fd(drv)]

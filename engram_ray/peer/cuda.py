@@ -69,10 +69,7 @@ class CudaPeerMemory(PeerMemory):
         if dev.type != "cuda":
             raise PeerMemoryError(f"the cuda backend needs a CUDA device, not {device!r}")
         self.device_idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        cu = drv.driver()
-        self._context = drv.check(cu.cuDevicePrimaryCtxRetain(self.device_idx),
-                                  "cuDevicePrimaryCtxRetain")
-        drv.check(cu.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        drv.use_device(self.device_idx)
         self.offered = drv.usable_handle_types(self.device_idx)
         if not self.offered:
             raise PeerMemoryError(f"GPU {self.device_idx} can export neither FABRIC nor POSIX-FD "
@@ -99,12 +96,28 @@ class CudaPeerMemory(PeerMemory):
         return desc
 
     def _map(self, handle, nbytes: int, alignment: int) -> _Mapping:
+        """Reserve, map and enable access for this GPU; on failure nothing stays held."""
         cu = drv.driver()
-        address = int(drv.check(cu.cuMemAddressReserve(nbytes, alignment, 0, 0),
-                                "cuMemAddressReserve"))
-        drv.check(cu.cuMemMap(address, nbytes, 0, handle, 0), "cuMemMap")
-        drv.check(cu.cuMemSetAccess(address, nbytes, [self._access_desc()], 1), "cuMemSetAccess")
-        return _Mapping(handle, address, nbytes)
+        try:
+            address = int(drv.check(cu.cuMemAddressReserve(nbytes, alignment, 0, 0),
+                                    "cuMemAddressReserve"))
+        except PeerMemoryError:
+            cu.cuMemRelease(handle)
+            raise
+        try:
+            drv.check(cu.cuMemMap(address, nbytes, 0, handle, 0), "cuMemMap")
+        except PeerMemoryError:
+            cu.cuMemAddressFree(address, nbytes)
+            cu.cuMemRelease(handle)
+            raise
+        mapping = _Mapping(handle, address, nbytes)
+        try:
+            drv.check(cu.cuMemSetAccess(address, nbytes, [self._access_desc()], 1),
+                      "cuMemSetAccess")
+        except PeerMemoryError:
+            mapping.release()
+            raise
+        return mapping
 
     def allocate(self, key: int, num_rows: int, row_bytes: int) -> torch.Tensor:
         cu = drv.driver()

@@ -40,6 +40,14 @@ def check(result, what: str):
     return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
+def use_device(device_idx: int):
+    """Make `device_idx`'s primary context (the one torch uses) current; it, retained."""
+    cu = driver()
+    context = check(cu.cuDevicePrimaryCtxRetain(device_idx), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    return context
+
+
 def error_name(err) -> str:
     cu = driver()
     _, name = cu.cuGetErrorName(err)
@@ -92,7 +100,8 @@ def imex_channels() -> list[str]:
 
 
 def trial_allocation(device_idx: int, handle_type: str) -> str:
-    """Create (and export) one granule with `handle_type`: 'ok' or the CUDA error name."""
+    """Create (and export) one granule with `handle_type`: 'ok' or the CUDA error name.
+    Needs a current context on the device (`use_device`)."""
     cu = driver()
     try:
         prop = allocation_prop(device_idx, [handle_type])

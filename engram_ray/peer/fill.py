@@ -23,7 +23,7 @@ from engram_ray.reference import pack_rows
 from engram_ray.synthetic import fill_synthetic
 
 PROGRESS_MIN_BYTES = 1 << 30
-SYNTHETIC_CHUNK_ROWS = 1 << 22
+SYNTHETIC_CHUNK_ROWS = 1 << 20    # ~2 GiB of int64 temporaries per step on a GPU
 CHECKPOINT_CHUNK_ROWS = 1 << 18   # 66 MiB of host memory at 264-byte rows
 
 
