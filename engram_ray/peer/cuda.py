@@ -162,6 +162,10 @@ class CudaPeerMemory(PeerMemory):
         return out
 
     def map_peers(self, records: list[dict]) -> None:
+        gpus = [(r["host"], r["gpu_uuid"]) for r in records]
+        if len(set(gpus)) != len(gpus):
+            raise PeerMemoryError(f"two members of the group use one GPU ({gpus}): give each "
+                                  "member its own GPU (one engine per GPU)")
         self._chosen = choose_handle_type(records)
         for record in records:
             if record["rank"] == self.rank:
