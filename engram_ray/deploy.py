@@ -17,6 +17,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,10 @@ class Deployment:
         for group_id, handle in self.groups.items():
             _shutdown_group(self.config, group_id, handle, timeout_s)
         self.groups = {}
+        try:  # the deployment's own folder, once its groups' folders are gone
+            os.rmdir(os.path.join(self.config.peer_group_store, self.config.name))
+        except OSError:
+            pass
         wait_for_free(resource, target, timeout_s)
 
 

@@ -233,3 +233,13 @@ def test_cpu_engines_use_cpu_bundles_on_one_node(cluster, model_dir, tmp_path, l
         _check_bit_exact(dep.engines(group["group_id"]), layout, full_tables)
     finally:
         dep.shutdown()
+
+
+def test_engine_failure_surfaces_at_the_caller_with_its_cause(cluster, model_dir, tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    config = _config(model_dir, tmp_path, fill="checkpoint", checkpoint=str(missing),
+                     max_peer_groups=1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="no-such-checkpoint"):
+        deploy(config)
+    assert ray.available_resources().get("GPU") == 6  # the failed group was removed
+    assert not os.path.exists(tmp_path / "store" / "t")
