@@ -166,5 +166,5 @@ def lookup_reference_split(slices: list[torch.Tensor], rows_per_rank: int,
             raise ValueError(f"row_ids reach local row {int(local.max())} of slices[{rank}], "
                              f"which holds {piece.shape[0]} rows")
         rows[picked] = piece.index_select(0, local).to(row_ids.device)
-    rows = rows.view(*row_ids.shape, -1)
+    rows = rows.view(*row_ids.shape, rows.shape[1])
     return _finish(rows, head_dim, out)

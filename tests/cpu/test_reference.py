@@ -113,6 +113,14 @@ def test_dequantize_is_lookup_of_packed():
 
 
 @pytest.mark.parametrize("out", ["packed", "bf16"])
+def test_split_of_no_rows(out):
+    table = random_table(10, HEAD_DIM)
+    got = lookup_reference_split([table[:5], table[5:]], 5, torch.empty(0, 24, dtype=torch.int64),
+                                 HEAD_DIM, out=out)
+    assert got.shape == (0, 24, ROW_BYTES if out == "packed" else HEAD_DIM)
+
+
+@pytest.mark.parametrize("out", ["packed", "bf16"])
 def test_split_matches_whole_table(out):
     generator = torch.Generator().manual_seed(5)
     rows_per_rank, num_ranks = 300, 4
