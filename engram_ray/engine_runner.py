@@ -1,0 +1,111 @@
+"""Run a vLLM engine with engram-ray's plugin: the hook the Ray engine actor and Serve call.
+
+    args = build_engine_args(model_dir, peer_group={"size": 2, "store": DIR, "rank": 0,
+                                                    "generation": "g1"})
+    engine = EngramEngine(model_dir, peer_group=...)      # sync, wraps vllm.LLM
+    engine.generate(["The river"], max_tokens=16)          # -> [[token ids]] (greedy)
+    engine.metrics()                                       # -> {"vllm:kv_cache_usage_perc": ..}
+    engine = await start_async_engine(model_dir, ...)       # vllm AsyncLLM, same settings
+
+The plugin (entry point `vllm.general_plugins`) loads in every vLLM process by itself; the
+peer-group settings travel in `additional_config["engram_peer_group"]`. Every engine of a
+group must be started together: each blocks in its table rendezvous until all have arrived.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engram_ray.models.peer_settings import PeerGroupSettings
+
+CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _settings(peer_group) -> PeerGroupSettings | None:
+    if peer_group is None or isinstance(peer_group, PeerGroupSettings):
+        return peer_group
+    return PeerGroupSettings.from_additional_config({"engram_peer_group": dict(peer_group)})
+
+
+def build_engine_args(model_dir: str, peer_group: dict | PeerGroupSettings | None = None, *,
+                      max_model_len: int = 256, max_num_seqs: int = 8, seed: int = 0,
+                      **overrides: Any) -> dict:
+    """Keyword arguments for `vllm.LLM(...)` / `vllm.AsyncEngineArgs(...)`.
+
+    Eager mode, no prefix caching (the n-gram history is keyed by KV slot), TP = PP = 1,
+    stats on (for metrics). `overrides` win over these defaults.
+    """
+    settings = _settings(peer_group)
+    args = dict(model=str(model_dir), tokenizer=str(model_dir), max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
+                enable_prefix_caching=False, tensor_parallel_size=1,
+                pipeline_parallel_size=1, disable_log_stats=False,
+                additional_config=settings.to_additional_config() if settings else {})
+    args.update(overrides)
+    return args
+
+
+def apply_cpu_defaults() -> None:
+    """Environment vLLM on CPU needs (KV cache size in GiB, offline hub); keeps what is set."""
+    for key, value in CPU_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+class EngramEngine:
+    """A synchronous vLLM engine (`vllm.LLM`) serving an Engram model."""
+
+    def __init__(self, model_dir: str, peer_group: dict | PeerGroupSettings | None = None,
+                 **options: Any):
+        from vllm import LLM
+
+        self.llm = LLM(**build_engine_args(model_dir, peer_group, **options))
+
+    def generate(self, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+        """Greedy completions (EOS ignored, so every completion has max_tokens tokens)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's gauges and counters by name (e.g. `vllm:kv_cache_usage_perc`)."""
+        values = {}
+        for metric in self.llm.get_metrics():
+            value = getattr(metric, "value", None)
+            if isinstance(value, (int, float)):
+                values[metric.name] = float(value)
+        return values
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        engine = getattr(llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+
+
+async def start_async_engine(model_dir: str, peer_group=None, **options: Any):
+    """`vllm.v1.engine.async_llm.AsyncLLM` with the same settings (for Ray Serve)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs(**build_engine_args(model_dir, peer_group, **options))
+    return AsyncLLM.from_engine_args(engine_args)
+
+
+def run_engine_process(model_dir: str, peer_group: dict | None, prompts: list[str],
+                       max_tokens: int, result_path: str) -> None:
+    """Process entry (multiprocessing spawn / subprocess): start an engine, answer `prompts`,
+    write JSON {"completions", "metrics"} to `result_path`."""
+    import json
+
+    apply_cpu_defaults()
+    engine = EngramEngine(model_dir, peer_group)
+    try:
+        completions = engine.generate(prompts, max_tokens)
+        result = {"completions": completions, "metrics": engine.metrics()}
+    finally:
+        engine.close()
+    with open(result_path, "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,100 @@
+"""Engram tables of a model served by vLLM: whole in this engine, or a peer-group slice.
+
+- No `engram_peer_group` in vLLM's `additional_config`: `HostTables`, every table whole in
+  this process (packed `[rows, row_bytes]` uint8), filled by vLLM's weight loading.
+- With one: this engine's slices through `engram_ray.table.open_group_tables` (backend from
+  the settings, `shm` on CPU), filled from the checkpoint with this rank's rows only before the
+  group's rendezvous; vLLM's weight loading then skips the tables.
+
+Both look up with the same bit-exact row reads, so completions do not depend on the split.
+"""
+
+from __future__ import annotations
+
+import atexit
+import re
+
+import torch
+
+from engram_ray.layout import EngramLayout
+from engram_ray.models.peer_settings import PeerGroupSettings
+from engram_ray.reference import lookup_reference
+
+_TABLE_TENSOR = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv)$")
+
+
+def parse_table_tensor(name: str) -> tuple[int, str]:
+    """(layer id, "weight" | "weight_scale_inv") of a checkpoint table tensor name."""
+    match = _TABLE_TENSOR.search(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not an Engram table tensor "
+                         "(expected '...layers.<id>.engram.embed.weight[_scale_inv]')")
+    return int(match.group(1)), match.group(2)
+
+
+class HostTables:
+    """Whole tables in this process, filled from vLLM's weight iterator."""
+
+    def __init__(self, layout: EngramLayout, device: str | torch.device = "cpu"):
+        self.layout = layout
+        self.tables = {layer_id: torch.zeros(rows, layout.row_bytes, dtype=torch.uint8,
+                                             device=device)
+                       for layer_id, rows in zip(layout.layer_ids, layout.rows_per_table)}
+
+    def load_checkpoint_tensor(self, name: str, weight: torch.Tensor) -> None:
+        layer_id, kind = parse_table_tensor(name)
+        table = self.tables[layer_id]
+        columns = (slice(0, self.layout.head_dim) if kind == "weight"
+                   else slice(self.layout.head_dim, self.layout.row_bytes))
+        raw = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
+        if raw.shape != table[:, columns].shape:
+            raise ValueError(f"{name} is {tuple(raw.shape)}; expected "
+                             f"{tuple(table[:, columns].shape)} from config.json")
+        table[:, columns] = raw.to(table.device)
+
+    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16") -> torch.Tensor:
+        """int64 `[T, C]` -> bf16 `[T, C, head_dim]` (or packed uint8 `[T, C, row_bytes]`)."""
+        table = self.tables[layer_id]
+        if table.is_cuda:
+            from engram_ray.kernels.lookup import engram_lookup
+            return engram_lookup(row_ids, head_dim=self.layout.head_dim, table=table, out=out)
+        return lookup_reference(table, row_ids, self.layout.head_dim, out)
+
+    def close(self) -> None:
+        self.tables = {}
+
+
+class GroupTables:
+    """This engine's slices of a peer group (`engram_ray.table.PeerGroupTables`)."""
+
+    def __init__(self, group_tables):
+        self.group = group_tables
+
+    def load_checkpoint_tensor(self, name: str, weight: torch.Tensor) -> None:
+        # This rank's rows were read from the checkpoint before the rendezvous; peers may be
+        # reading them already, so weight loading must not write them again.
+        parse_table_tensor(name)
+
+    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16") -> torch.Tensor:
+        return self.group.lookup(layer_id, row_ids, out=out)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def open_model_tables(layout: EngramLayout, vllm_config) -> HostTables | GroupTables:
+    """Tables for the model being built in this vLLM worker (see module doc)."""
+    settings = PeerGroupSettings.from_additional_config(vllm_config.additional_config)
+    device = "cpu" if vllm_config.device_config.device.type == "cpu" else "cuda"
+    if settings is None:
+        return HostTables(layout, device)
+    from engram_ray.table import open_group_tables
+
+    is_dummy = str(vllm_config.load_config.load_format) == "dummy"
+    tables = GroupTables(open_group_tables(
+        layout, settings.to_spec(), backend=settings.backend,
+        device="cpu" if settings.backend == "shm" else f"cuda:{torch.cuda.current_device()}",
+        fill="synthetic" if is_dummy else "checkpoint",
+        checkpoint=None if is_dummy else vllm_config.model_config.model))
+    atexit.register(tables.close)
+    return tables
