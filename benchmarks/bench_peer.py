@@ -1,8 +1,9 @@
 """Peer-group tables: rendezvous time (CPU processes, shm) and GPU peer lookups (2 GPUs, cuda).
 
 `rendezvous`: groups of P = 2..8 local processes (shm backend, tiny tables) meet through the
-FileStore; per group the slowest member's rendezvous seconds (it waits for the last arrival)
-and the last arrival's (the protocol's own cost); median over repeats.
+FileStore, after a start barrier (so process start-up skew stays out); per group the slowest
+member's rendezvous seconds (it waits for the last arrival) and the last arrival's (the
+protocol's own cost); median over repeats.
 
 `gpu`: two processes, one per GPU, open a model's tables split over both GPUs (cuda backend,
 synthetic rows generated on the GPU), check allocated bytes against `make_plan(.., "peer")`,
@@ -32,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
-from engram_ray.peer.local_group import check_member, expected_rows, run_group  # noqa: E402
+from engram_ray.peer.local_group import (check_member, expected_rows, file_barrier,  # noqa: E402
+                                        run_group)
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
@@ -63,7 +65,7 @@ def bench_rendezvous(sizes: list[int], repeats: int) -> dict:
                 store = os.path.join(tmp, f"store-{size}-{rep}")
                 results = run_group(check_member, list(range(size)),
                                     (TINY, size, store, f"bench-{size}-{rep}", "shm", "cpu",
-                                     0, 4, 60.0), env=env, timeout_s=120)
+                                     0, 4, 60.0, store + "-start"), env=env, timeout_s=120)
                 bad = [r for r in results if not r.is_ok]
                 if bad:
                     raise RuntimeError(f"P={size}: rank {bad[0].rank} failed:\n{bad[0].value}")
@@ -82,7 +84,8 @@ def rendezvous_markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"# Peer-group rendezvous time (CPU processes, shm backend)", "",
              f"Date {env['date']}, commit {env['commit']}, host with {env['cpus']} CPUs "
-             "(shared with other work), processes started by forkserver.", "",
+             "(shared with other work), processes started by forkserver, a start barrier before the "
+             "tables are opened.", "",
              "| P | slowest member (s, median) | last arrival (s, median) | slowest (s, max) |",
              "| --- | --- | --- | --- |"]
     for r in report["rows"]:
@@ -128,39 +131,56 @@ def half_remote_ids(table, num_rows: int, num_cols: int, seed: int, device):
     return ids[torch.randperm(total, generator=gen, device=device)].view(num_tokens, num_cols)
 
 
-def bench_lookups(tables, layout, budget_s: float) -> list[dict]:
-    import torch
+SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
+         for b, p, w in ((128, 2, 8), (128, 4, 8), (64, 4, 4), (64, 8, 4), (32, 8, 4),
+                         (16, 4, 4), (16, 8, 4))]
+
+
+def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[dict]:
+    """Half-remote lookups (the table's own path), all-remote and all-local lookups, the
+    local index_select baseline; at >= `sweep_min_rows` rows also kernel tile variants."""
     from bench_lookup import stats, time_launches
     from engram_ray.kernels.lookup import engram_lookup
 
     table = tables.tables[layout.layer_ids[0]]
+    per_rank, peer_rows = table.rows_per_rank, table.num_rows - table.rows_per_rank
     rows = []
     for num_rows in LOOKUP_ROWS:
         id_sets = [half_remote_ids(table, num_rows, layout.num_cols, k, "cuda:0")
                    for k in range(NUM_ID_SETS)]
-        local_sets = [ids.remainder(table.rows_per_rank) for ids in id_sets]
-        peer = stats(time_launches(lambda i: table.lookup(id_sets[i % NUM_ID_SETS]),
-                                   budget_s=budget_s))
-        local = stats(time_launches(lambda i: engram_lookup(
-            local_sets[i % NUM_ID_SETS], head_dim=layout.head_dim, table=table.local),
-            budget_s=budget_s))
-        baseline = stats(time_launches(lambda i: table.local.index_select(
-            0, local_sets[i % NUM_ID_SETS].view(-1)), budget_s=budget_s))
+        local_sets = [ids.clamp(min=0).remainder(per_rank) for ids in id_sets]
+        remote_sets = [per_rank + ids.remainder(peer_rows) for ids in local_sets]
+
+        def timed(sets, fn=table.lookup):
+            return stats(time_launches(lambda i: fn(sets[i % NUM_ID_SETS]), budget_s=budget_s))
+
+        peer, remote = timed(id_sets), timed(remote_sets)
+        local = timed(local_sets, lambda ids: engram_lookup(ids, head_dim=layout.head_dim,
+                                                            table=table.local))
+        baseline = timed(local_sets, lambda ids: table.local.index_select(0, ids.view(-1)))
         looked_up = id_sets[0].numel()
         remote_bytes = (looked_up - looked_up // 2) * layout.row_bytes
         row = {"rows": looked_up, "remote_rows": looked_up - looked_up // 2,
                "peer_median_ms": peer["median_ms"], "peer_p99_ms": peer["p99_ms"],
                "remote_GBps": remote_bytes / peer["median_ms"] / 1e6,
                "all_rows_GBps": looked_up * layout.row_bytes / peer["median_ms"] / 1e6,
+               "all_remote_median_ms": remote["median_ms"],
+               "all_remote_GBps": looked_up * layout.row_bytes / remote["median_ms"] / 1e6,
                "local_kernel_median_ms": local["median_ms"],
                "local_index_select_median_ms": baseline["median_ms"], "reps": peer["reps"]}
+        if num_rows >= sweep_min_rows:
+            bases = tables._memory.peer_bases(table.layer_id)
+            row["sweep"] = [dict(variant, median_ms=timed(id_sets, lambda ids, v=variant:
+                                 engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
+                                               rows_per_rank=per_rank, **v))["median_ms"])
+                            for variant in SWEEP]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
 def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
-               budget_s: float) -> dict:
+               budget_s: float, sweep_min_rows: int) -> dict:
     import torch
     from engram_ray.plan import make_plan
     from engram_ray.table import PeerGroupSpec, open_group_tables
@@ -183,13 +203,13 @@ def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
         ids = torch.randint(0, layout.rows_per_table[idx], (128, layout.num_cols),
                             generator=gen, device="cuda")
         ids[0, :3] = torch.tensor([0, layout.rows_per_table[idx] - 1, -1])
-        out["equal"][layer_id] = all(torch.equal(tables.lookup(layer_id, ids, o),
+        out["equal"][str(layer_id)] = all(torch.equal(tables.lookup(layer_id, ids, o),
                                                  expected_rows(ids, layout.head_dim, 0, o))
                                      for o in ("packed", "bf16"))
     try:
         if rank == 0:
             out["peer_copy_GBps"] = peer_copy_ceiling()
-            out["lookups"] = bench_lookups(tables, layout, budget_s)
+            out["lookups"] = bench_lookups(tables, layout, budget_s, sweep_min_rows)
             Path(done_path).write_text("done")
         else:  # keep this slice mapped and alive until rank 0 has finished reading it
             deadline = time.monotonic() + 500
@@ -198,19 +218,24 @@ def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
     finally:
         tables.close()
         Path(done_path).write_text("done")
+    file_barrier(store_dir + "-closed", "closed", rank, [0, 1], timeout_s=120)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     out["device_bytes_after_close"] = free_before - torch.cuda.mem_get_info()[0]
     return out
 
 
-def bench_gpu(layout: EngramLayout, model: str, budget_s: float) -> dict:
+def bench_gpu(layout: EngramLayout, model: str, budget_s: float, sweep_min_rows: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         results = run_group(gpu_member, [0, 1], (layout, os.path.join(tmp, "store"),
-                                                 os.path.join(tmp, "done"), budget_s),
+                                                 os.path.join(tmp, "done"), budget_s,
+                                                 sweep_min_rows),
                             timeout_s=560, start_method="spawn")
     for r in results:
         if not r.is_ok:
             raise RuntimeError(f"rank {r.rank} failed:\n{r.value}")
-    return {"env": environment(), "model": model, "members": [r.value for r in results]}
+    return {"env": environment(), "model": model, "row_bytes": layout.row_bytes,
+            "members": [r.value for r in results]}
 
 
 def gpu_markdown(report: dict) -> str:
@@ -226,7 +251,7 @@ def gpu_markdown(report: dict) -> str:
         for t, plan_bytes in zip(m["stats"]["tables"], m["plan_bytes_by_table"]):
             lines.append(f"| {m['stats']['rank']} | layer {t['layer_id']} | {t['slice'][0]:,}.."
                          f"{t['slice'][1]:,} | {t['local_bytes']:,} | {plan_bytes:,} | "
-                         f"{t['local_bytes'] - plan_bytes:,} | {m['equal'][t['layer_id']]} | "
+                         f"{t['local_bytes'] - plan_bytes:,} | {m['equal'][str(t['layer_id'])]} | "
                          f"{m['open_s']:.1f} | {m['stats']['rendezvous_seconds']:.3f} |")
     lines += ["", "Device memory per GPU taken by open_group_tables (mem_get_info): " + ", ".join(
         f"rank {m['stats']['rank']}: {m['device_bytes_used'] / GIB:.2f} GiB, after close "
@@ -234,14 +259,26 @@ def gpu_markdown(report: dict) -> str:
         f"Peer copy ceiling (1 GiB GPU1 -> GPU0, copy engines): "
         f"{first['peer_copy_GBps']:.0f} GB/s.", "",
         "| rows looked up | remote rows | peer median ms | p99 ms | remote GB/s | % of ceiling |"
-        " all rows GB/s | local kernel ms (all local) | local index_select ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        " all rows GB/s | all-remote ms | all-remote GB/s | local kernel ms (all local) | "
+        "local index_select ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in first["lookups"]:
         lines.append(f"| {r['rows']:,} | {r['remote_rows']:,} | {r['peer_median_ms']:.4f} | "
                      f"{r['peer_p99_ms']:.4f} | {r['remote_GBps']:.0f} | "
                      f"{100 * r['remote_GBps'] / first['peer_copy_GBps']:.0f}% | "
-                     f"{r['all_rows_GBps']:.0f} | {r['local_kernel_median_ms']:.4f} | "
+                     f"{r['all_rows_GBps']:.0f} | {r['all_remote_median_ms']:.4f} | "
+                     f"{r['all_remote_GBps']:.0f} | {r['local_kernel_median_ms']:.4f} | "
                      f"{r['local_index_select_median_ms']:.4f} |")
+    sweeps = [r for r in first["lookups"] if "sweep" in r]
+    if sweeps:
+        lines += ["", "Kernel tile variants on the half-remote lookups (median ms; remote GB/s):",
+                  "", "| rows | block_rows | programs/SM | warps | median ms | remote GB/s |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in sweeps:
+            for v in r["sweep"]:
+                gbps = r["remote_rows"] * report["row_bytes"] / v["median_ms"] / 1e6
+                lines.append(f"| {r['rows']:,} | {v['block_rows']} | {v['programs_per_sm']} | "
+                             f"{v['num_warps']} | {v['median_ms']:.4f} | {gbps:.0f} |")
     lines += ["", "Bar (vLLM 0.33 peer-rows mode, 1.57M rows): 56 GB/s of remote rows, 14% of a "
               "389 GB/s peer copy ceiling (3.69 ms); 8 GB/s with 128-row tiles."]
     return "\n".join(lines) + "\n"
@@ -255,6 +292,8 @@ def main() -> None:
     parser.add_argument("--model", default="deepseek-v4.1-flash")
     parser.add_argument("--small", action="store_true", help="2M-vocab layout (~2.4 GiB/GPU)")
     parser.add_argument("--budget-s", type=float, default=0.3)
+    parser.add_argument("--sweep-min-rows", type=int, default=1 << 20,
+                        help="time kernel tile variants for lookups of at least this many rows")
     parser.add_argument("--md")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -264,7 +303,7 @@ def main() -> None:
     else:
         layout, model = (SMALL, "small (vocab 2M)") if args.small else (
             load_layout(args.model), args.model)
-        report = bench_gpu(layout, model, args.budget_s)
+        report = bench_gpu(layout, model, args.budget_s, args.sweep_min_rows)
         text = gpu_markdown(report)
     print(text)
     if args.md:

@@ -7,6 +7,7 @@ what to do. Exit code 0 when the peer path can run here (or there are no GPUs, w
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -191,7 +192,8 @@ def check_nvml_fabric(num_gpus: int) -> list[Check]:
     for i in range(num_gpus):
         handle = pynvml.nvmlDeviceGetHandleByIndex(i)
         try:
-            info = pynvml.nvmlDeviceGetGpuFabricInfo(handle)
+            info = pynvml.c_nvmlGpuFabricInfo_t()
+            pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
             states.append(f"GPU {i}: state {info.state} status {info.status}")
         except Exception as exc:  # noqa: BLE001 - NOT_SUPPORTED on non-NVSwitch-fabric systems
             states.append(f"GPU {i}: {exc}")

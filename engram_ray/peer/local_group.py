@@ -76,6 +76,18 @@ def run_group(target: Callable, ranks: list[int], args: tuple = (), *,
     return [found[r] for r in sorted(found)]
 
 
+def file_barrier(directory: str, name: str, rank: int, ranks: list[int],
+                 timeout_s: float = 120.0) -> None:
+    """Wait until every rank in `ranks` has reached barrier `name` (files in `directory`)."""
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, f"{name}-{rank}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(directory, f"{name}-{r}")) for r in ranks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name}: not every rank of {ranks} arrived")
+        time.sleep(0.02)
+
+
 def expected_rows(row_ids: torch.Tensor, head_dim: int, seed: int = 0,
                   out: str = "packed") -> torch.Tensor:
     """Reference lookup of synthetic rows at `row_ids` `[T, C]`, generating only those rows."""
@@ -100,13 +112,17 @@ def random_row_ids(num_rows: int, shape: tuple[int, int], seed: int,
 
 def check_member(rank: int, layout: EngramLayout, size: int, store_dir: str, generation: str,
                  backend: str = "shm", device: str = "cpu", seed: int = 0,
-                 num_tokens: int = 64, timeout_s: float = 30.0) -> dict:
-    """Open this rank's tables, compare lookups of random ids with the reference; stats."""
+                 num_tokens: int = 64, timeout_s: float = 30.0,
+                 start_barrier: str | None = None) -> dict:
+    """Open this rank's tables, compare lookups of random ids with the reference; stats.
+    `start_barrier`: a folder where all members first wait for each other (benchmarks)."""
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     spec = PeerGroupSpec(size=size, rank=rank, store_dir=store_dir, generation=generation,
                          timeout_s=timeout_s)
+    if start_barrier:
+        file_barrier(start_barrier, "start", rank, list(range(size)))
     tables = open_group_tables(layout, spec, backend=backend, device=device, seed=seed)
     try:
         checks = {}

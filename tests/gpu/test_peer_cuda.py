@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engram_ray.layout import EngramLayout
-from engram_ray.peer.local_group import check_member, run_group
+from engram_ray.peer.local_group import check_member, file_barrier, run_group
 
 # 24 columns of ~400K-row buckets: 9.6M rows of 264 bytes per table (2.4 GiB), 1.2 GiB a slice.
 MEDIUM = EngramLayout(layer_ids=(1, 14), vocab_size=400_000, max_ngram_size=4, n_heads=8,
@@ -15,12 +15,15 @@ GRANULE = 2 << 20
 
 
 def member_with_memory(rank, layout, size, store_dir, generation):
-    """check_member, plus this GPU's free memory before, while open (via stats) and after."""
+    """check_member, plus this GPU's memory held once every member has closed (a peer's
+    import keeps a slice's memory alive until that peer closes too)."""
     torch.cuda.set_device(rank)
     free_before = torch.cuda.mem_get_info()[0]
     result = check_member(rank, layout, size, store_dir, generation, "cuda", "cuda", seed=3,
                           num_tokens=64, timeout_s=60)
+    file_barrier(store_dir + "-closed", "closed", rank, list(range(size)))
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     result["leaked_bytes"] = free_before - torch.cuda.mem_get_info()[0]
     return result
 
