@@ -4,7 +4,7 @@
 # Everything lands in $OUT (at most 8 files): env.txt pytest.log asm.txt bench.log bench.json
 # bench.md [sweep.json].
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_kernels.sh [quick|full]
-#   quick: tests + sweep of tile shapes + a short benchmark; full: tests + the benchmark.
+#   Both tune the tile policy first (sweep.json); quick times fewer sizes with a smaller budget.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -26,17 +26,18 @@ echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
 
 t0=$SECONDS
 timeout 90 python3 benchmarks/lookup_asm.py --out "$OUT/asm.txt" > /dev/null 2>&1
-echo "asm rc=$? in $((SECONDS - t0)) s"; head -13 "$OUT/asm.txt" | cut -c1-200
+echo "asm rc=$? in $((SECONDS - t0)) s"; grep -E "^lookup_r(16|128)_(packed|bf16)(_prefetch)? " "$OUT/asm.txt" | cut -c1-220
 
 t0=$SECONDS
 if [ "$MODE" = quick ]; then
-    BENCH=(--sweep "$OUT/sweep.json" --budget-s 0.2)
-    LIMIT=260
+    BENCH=(--budget-s 0.15 --tokens 43 683 2731 43691 65536)
+    LIMIT=300
 else
-    BENCH=(--budget-s 0.5)
-    LIMIT=330
+    BENCH=(--budget-s 0.3)
+    LIMIT=420
 fi
 timeout $LIMIT python3 benchmarks/bench_lookup.py --json "$OUT/bench.json" --md "$OUT/bench.md" \
-    "${BENCH[@]}" > "$OUT/bench.log" 2>&1
+    --sweep "$OUT/sweep.json" "${BENCH[@]}" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
-grep -v '^{' "$OUT/bench.log" | tail -100
+grep -v '^{' "$OUT/bench.log" | grep -v "^hbm\|^peer\|^host" | tail -20
+grep -E "policy|r16 |r128 |sorted" "$OUT/bench.log" | grep -E " (1048584|1572864|65544) " | tail -60

@@ -20,28 +20,28 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engram_ray.kernels.lookup import NUM_WARPS, SCALE_WORDS, _engram_lookup_kernel
+from engram_ray.kernels.lookup import SCALE_WORDS, _engram_lookup_kernel, tile_config
 
 MEMORY_OP = re.compile(r"\b((?:ld|st)\.global[\w.]*)")
 SASS_OP = re.compile(r"\b((?:LDG|STG)[\w.]*)")
 
 
 def compile_variant(block_rows: int, is_bf16: bool, is_peer: bool, is_sorted: bool,
-                    head_dim: int = 256):
+                    prefetch: bool = False, head_dim: int = 256):
     out_type = "*bf16" if is_bf16 else "*u8"
     signature = {"src": "*i64" if is_peer else "*u8", "row_ids": "*i64", "dst_rows": "*i64",
                  "out": out_type, "num_rows": "i32", "rows_per_rank": "i32",
                  "num_programs": "i32", "HEAD_DIM": "constexpr", "SCALE_WORD": "constexpr",
                  "BLOCK_R": "constexpr", "IS_PEER": "constexpr", "IS_SORTED": "constexpr",
-                 "IS_BF16": "constexpr"}
+                 "IS_BF16": "constexpr", "PREFETCH": "constexpr"}
     constexprs = {"HEAD_DIM": head_dim, "SCALE_WORD": SCALE_WORDS[head_dim // 32],
                   "BLOCK_R": block_rows, "IS_PEER": is_peer, "IS_SORTED": is_sorted,
-                  "IS_BF16": is_bf16}
+                  "IS_BF16": is_bf16, "PREFETCH": prefetch}
     # Pointers are 16-byte aligned, as Triton specializes them at launch.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(_engram_lookup_kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": NUM_WARPS[block_rows]})
+                          options={"num_warps": tile_config("hbm", block_rows).num_warps})
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -82,13 +82,15 @@ def main() -> None:
     excerpts = []
     for block_rows in (16, 128):
         for is_bf16 in (False, True):
-            for is_peer, is_sorted in ((False, False), (True, False), (False, True)):
-                kernel = compile_variant(block_rows, is_bf16, is_peer, is_sorted)
+            for is_peer, is_sorted, prefetch in ((False, False, False), (True, False, False),
+                                                 (False, True, False), (False, False, True)):
+                kernel = compile_variant(block_rows, is_bf16, is_peer, is_sorted, prefetch)
                 info, ptx, sass = summarize(kernel)
                 name = (f"lookup_r{block_rows}_{'bf16' if is_bf16 else 'packed'}"
-                        f"{'_peer' if is_peer else ''}{'_sorted' if is_sorted else ''}")
+                        f"{'_peer' if is_peer else ''}{'_sorted' if is_sorted else ''}"
+                        f"{'_prefetch' if prefetch else ''}")
                 report.append(f"{name} {info}")
-                if block_rows == 128 and not is_peer and not is_sorted:
+                if block_rows == 128 and not (is_peer or is_sorted or prefetch):
                     excerpts.append(f"== {name}: PTX global memory and conversion instructions")
                     excerpts += [line.strip() for line in ptx.splitlines()
                                  if MEMORY_OP.search(line) or "cvt.rn" in line][:80]

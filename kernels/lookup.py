@@ -18,6 +18,8 @@ NOTES:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -27,21 +29,95 @@ from engram_ray.reference import row_bytes_for
 
 OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
 PLACEMENTS = ("hbm", "host", "host_thp", "peer")
-BLOCK_ROWS = (16, 128)
 SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
-# Tile policy, measured on one H200 (benchmarks/results/lookup_h200.md): lookups of at least
-# `min_rows_128` rows use 128-row tiles. Rows wider than MAX_TILE_BYTES / 128 use smaller large
-# tiles (2 KiB rows in 128-row tiles were 4.7x slower: register pressure).
-TILE_POLICY = {"hbm": 16384, "host": 4096, "host_thp": 4096, "peer": 16384}
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How one lookup is launched: rows per tile, persistent programs per SM, warps per
+    program, and whether the next tile's loads are issued before this tile's stores."""
+
+    block_rows: int
+    programs_per_sm: int
+    num_warps: int
+    prefetch: bool = False
+
+    def __post_init__(self):
+        if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
+            raise ValueError(f"block_rows is {self.block_rows}; expected a power of two in "
+                             "[1, 512]")
+        if self.programs_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"programs_per_sm {self.programs_per_sm} / num_warps "
+                             f"{self.num_warps}; expected >= 1 / a power of two <= 16")
+
+
+# Measured on one H200 (benchmarks/results/lookup_h200.md, sweep in lookup_sweep_h200.json):
+# the 16-row and the large-tile launch per placement, the lookup size from which large tiles
+# win (TILE_POLICY) and, for host tables, from which sorting the ids first wins.
+TILE_CONFIGS = {
+    "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8)},
+    "host": {16: TileConfig(16, 4, 4), 128: TileConfig(128, 2, 8)},
+    "host_thp": {16: TileConfig(16, 4, 4), 128: TileConfig(128, 2, 8)},
+    "peer": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8)},
+}
+TILE_POLICY = {"hbm": 1 << 62, "host": 1 << 62, "host_thp": 1 << 62, "peer": 1 << 62}
+SORT_MIN_ROWS = {"hbm": 1 << 62, "host": 65536, "host_thp": 65536, "peer": 1 << 62}
+# Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
+# were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264
-# Persistent grid: programs per SM and warps per program, by tile rows.
-PROGRAMS_PER_SM = {16: 4, 128: 2}
-NUM_WARPS = {16: 4, 128: 8}
-# Small-page host tables: sort ids of lookups this large so rows on one page share a TLB miss.
-SORT_MIN_ROWS = {"host": 1 << 62}
 # Non-empty while Triton accepts pinned host tensors as pointers (it resolves their UVA address).
 _HOST_POINTERS_OK = [True]
+
+
+@triton.jit
+def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
+               HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
+               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr):
+    """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
+    NUM_SCALES: tl.constexpr = HEAD_DIM // 32
+    ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
+    group = tl.arange(0, NUM_SCALES)
+    col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]   # [1, NUM_SCALES, 32]
+    pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    in_range = pos < num_rows
+    row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
+    has_row = row >= 0
+    row = tl.where(has_row, row, 0)
+    if IS_PEER:
+        owner = row // rows_per_rank
+        base = tl.load(src + owner, mask=has_row, other=0)
+        row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
+    else:
+        row_ptr = src + row * ROW_BYTES
+    row_ptr = tl.multiple_of(row_ptr, 8)
+    dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
+    values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
+    word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0)
+    return dst, in_range, values, word
+
+
+@triton.jit
+def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
+                SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr):
+    NUM_SCALES: tl.constexpr = HEAD_DIM // 32
+    ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
+    group = tl.arange(0, NUM_SCALES)
+    col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+    if IS_BF16:
+        # value x 2^(e - 127): fp8 -> fp32 is exact, 2^(e-127) is exact in fp32 (e = 0 is
+        # the subnormal 2^-127, e = 255 the e8m0 NaN), one rounding fp32 -> bf16 (RNE).
+        shift = (group * 8).to(SCALE_WORD)[None, :]
+        exponent = ((word[:, None] >> shift) & 0xFF).to(tl.int32)
+        power_bits = tl.where(exponent == 0, 0x400000,
+                              tl.where(exponent == 255, 0x7FC00000, exponent << 23))
+        power = power_bits.to(tl.float32, bitcast=True)
+        real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
+        tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
+                 mask=in_range[:, None, None])
+    else:
+        out_row = tl.multiple_of(out + dst * ROW_BYTES, 8)
+        tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None])
+        tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range)
 
 
 @triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
@@ -59,45 +135,29 @@ def _engram_lookup_kernel(
     IS_PEER: tl.constexpr,
     IS_SORTED: tl.constexpr,
     IS_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    NUM_SCALES: tl.constexpr = HEAD_DIM // 32
-    ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
-    group = tl.arange(0, NUM_SCALES)
-    lane = tl.arange(0, 32)
-    col = (group[:, None] * 32 + lane[None, :])[None, :, :]          # [1, NUM_SCALES, 32]
-    shift = (group * 8).to(SCALE_WORD)[None, :]                       # [1, NUM_SCALES]
+    """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
+    loads before this tile's stores, keeping row reads in flight while results drain."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
-    for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
-        pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        in_range = pos < num_rows
-        row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
-        has_row = row >= 0
-        row = tl.where(has_row, row, 0)
-        if IS_PEER:
-            owner = row // rows_per_rank
-            base = tl.load(src + owner, mask=has_row, other=0)
-            row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
-        else:
-            row_ptr = src + row * ROW_BYTES
-        row_ptr = tl.multiple_of(row_ptr, 8)
-        dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
-        values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
-        word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row,
-                       other=0)
-        if IS_BF16:
-            # value x 2^(e - 127): fp8 -> fp32 is exact, 2^(e-127) is exact in fp32 (e = 0 is
-            # the subnormal 2^-127, e = 255 the e8m0 NaN), one rounding fp32 -> bf16 (RNE).
-            exponent = ((word[:, None] >> shift) & 0xFF).to(tl.int32)
-            power_bits = tl.where(exponent == 0, 0x400000,
-                                  tl.where(exponent == 255, 0x7FC00000, exponent << 23))
-            power = power_bits.to(tl.float32, bitcast=True)
-            real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
-            out_ptr = out + dst[:, None, None] * HEAD_DIM + col
-            tl.store(out_ptr, real.to(tl.bfloat16), mask=in_range[:, None, None])
-        else:
-            out_row = tl.multiple_of(out + dst * ROW_BYTES, 8)
-            tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None])
-            tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range)
+    tile = tl.program_id(0)
+    if PREFETCH:
+        dst, in_range, values, word = _load_tile(
+            src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
+            BLOCK_R, IS_PEER, IS_SORTED)
+        for _ in tl.range(tile, num_tiles, num_programs):
+            tile += num_programs  # past the end: every load of the tile is masked off
+            next_dst, next_in_range, next_values, next_word = _load_tile(
+                src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
+                BLOCK_R, IS_PEER, IS_SORTED)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16)
+            dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
+    else:
+        for tile in tl.range(tile, num_tiles, num_programs):
+            dst, in_range, values, word = _load_tile(
+                src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
+                BLOCK_R, IS_PEER, IS_SORTED)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16)
 
 
 def large_block_rows(row_bytes: int) -> int:
@@ -117,6 +177,14 @@ def choose_block_rows(num_rows_looked_up: int, row_bytes: int, placement: str) -
     return large_block_rows(row_bytes)
 
 
+def tile_config(placement: str, block_rows: int) -> TileConfig:
+    """The measured launch for 16 or 128 rows; others keep ~128 rows per SM in flight."""
+    tuned = TILE_CONFIGS[placement].get(block_rows)
+    if tuned is not None:
+        return tuned
+    return TileConfig(block_rows, max(1, 128 // block_rows), 4 if block_rows <= 32 else 8)
+
+
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
     """'hbm', 'host' (pinned small pages), 'host_thp' (registered huge pages) or 'peer'."""
     if peer_bases is not None:
@@ -124,6 +192,22 @@ def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None)
     if table.is_cuda:
         return "hbm"
     return "host_thp" if is_huge_page_backed(table) else "host"
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels on GPU `device` read plain CUDA allocations of GPU `peer`
+    (cudaDeviceEnablePeerAccess; VMM-mapped slices get access through cuMemSetAccess instead)."""
+    from cuda.bindings import runtime
+    if not torch.cuda.can_device_access_peer(device, peer):
+        raise RuntimeError(f"GPU {device} cannot access GPU {peer} (no peer path)")
+    torch.cuda.synchronize(device)
+    _, previous = runtime.cudaGetDevice()
+    runtime.cudaSetDevice(device)
+    (error,) = runtime.cudaDeviceEnablePeerAccess(peer, 0)
+    runtime.cudaSetDevice(previous)
+    if error not in (runtime.cudaError_t.cudaSuccess,
+                     runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+        raise RuntimeError(f"cudaDeviceEnablePeerAccess({peer}) on GPU {device}: {error}")
 
 
 def _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out) -> None:
@@ -175,7 +259,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   out: str = "packed", block_rows: int | None = None,
                   out_device: torch.device | str | None = None, sort_rows: bool | None = None,
                   programs_per_sm: int | None = None, num_warps: int | None = None,
-                  into: torch.Tensor | None = None) -> torch.Tensor:
+                  prefetch: bool | None = None, into: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Look up rows; bitwise equal to `lookup_reference` / `lookup_reference_split`.
 
     row_ids: int64 `[num_tokens, num_cols]`, -1 = no row (zeros). Ids must be < table rows.
@@ -185,8 +270,9 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
         `r % rows_per_rank` of rank `r // rows_per_rank`.
     Returns on `out_device` (default: row_ids', peer_bases' or table's CUDA device):
     uint8 `[num_tokens, num_cols, row_bytes]` or bf16 `[num_tokens, num_cols, head_dim]`.
-    block_rows / programs_per_sm / num_warps: None = measured policy. sort_rows: None =
-    policy (small-page host tables only; output identical either way).
+    block_rows / programs_per_sm / num_warps / prefetch: None = the measured policy
+    (`choose_block_rows`, `TILE_CONFIGS`). sort_rows: None = policy (`SORT_MIN_ROWS`; the
+    output is identical either way).
     into: optional preallocated output (contiguous, the shape and dtype above) to write.
     """
     _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out)
@@ -203,29 +289,31 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     num_rows = ids.numel()
     if num_rows == 0:
         return result
-    if num_rows >= 1 << 31:
-        raise ValueError(f"lookup of {num_rows} rows; expected fewer than 2^31 per call")
+    if num_rows >= 1 << 30:
+        raise ValueError(f"lookup of {num_rows} rows; expected fewer than 2^30 per call")
     placement = table_placement(table, peer_bases)
-    block_rows = block_rows or choose_block_rows(num_rows, row_bytes, placement)
-    if block_rows & (block_rows - 1) or not 1 <= block_rows <= 512:
-        raise ValueError(f"block_rows is {block_rows}; expected a power of two in [1, 512]")
+    config = tile_config(placement, block_rows or choose_block_rows(num_rows, row_bytes,
+                                                                     placement))
+    config = replace(config, programs_per_sm=programs_per_sm or config.programs_per_sm,
+                     num_warps=num_warps or config.num_warps,
+                     prefetch=config.prefetch if prefetch is None else prefetch)
     if sort_rows is None:
-        sort_rows = num_rows >= SORT_MIN_ROWS.get(placement, 1 << 62)
+        sort_rows = num_rows >= SORT_MIN_ROWS[placement]
     dst_rows = ids
     if sort_rows:
         ids, dst_rows = ids.sort()
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = programs_per_sm or PROGRAMS_PER_SM.get(block_rows, 2)
-    num_programs = max(1, min(triton.cdiv(num_rows, block_rows), num_sms * per_sm))
+    num_programs = max(1, min(triton.cdiv(num_rows, config.block_rows),
+                              num_sms * config.programs_per_sm))
     if table is not None and not table.is_cuda and not _HOST_POINTERS_OK:
         # Triton refused a pinned host pointer once: address the table as a one-rank peer table.
         peer_bases = torch.tensor([table.data_ptr()], dtype=torch.int64, device=device)
         table, rows_per_rank = None, table.shape[0]
     launch = dict(dst_rows=dst_rows, out=result, num_rows=num_rows,
                   rows_per_rank=rows_per_rank or 1, num_programs=num_programs,
-                  HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
-                  IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
-                  num_warps=num_warps or NUM_WARPS.get(block_rows, 4))
+                  HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32],
+                  BLOCK_R=config.block_rows, IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
+                  PREFETCH=config.prefetch, num_warps=config.num_warps)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](
@@ -238,5 +326,5 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
             return engram_lookup(row_ids, head_dim=head_dim, table=table, out=out,
                                  block_rows=block_rows, out_device=device, sort_rows=sort_rows,
                                  programs_per_sm=programs_per_sm, num_warps=num_warps,
-                                 into=result)
+                                 prefetch=prefetch, into=result)
     return result

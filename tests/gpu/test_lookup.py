@@ -21,8 +21,14 @@ ROWS_PER_RANK = 9_000_000               # slice 0: 2.38 GB, slice 1: the last 3M
 assert NUM_ROWS * ROW_BYTES > 2**31 and ROWS_PER_RANK * ROW_BYTES > 2**31
 # (num_tokens, num_cols): 0, 1, 15, 17, 127, 129 and ~1M rows looked up.
 SHAPES = [(0, 24), (1, 1), (1, 15), (1, 17), (127, 1), (43, 3), (43691, 24)]
-BLOCKS = [16, 128, None]
+# (block_rows, prefetch): fixed tiles with both loop shapes, and the policy (None, None).
+TILES = [(16, False), (16, True), (128, False), (128, True), (None, None)]
 OUTS = ["packed", "bf16"]
+
+
+def _tile_id(tile):
+    block_rows, prefetch = tile
+    return f"r{block_rows}{'-prefetch' if prefetch else ''}" if block_rows else "policy"
 
 
 def _lookup(**kwargs):
@@ -53,24 +59,12 @@ def thp_table(hbm_table):
     return _host_copy(hbm_table, use_thp=True)
 
 
-def _enable_peer_access(device: int, peer: int) -> None:
-    """Let kernels on `device` read `peer`'s memory (cudaDeviceEnablePeerAccess)."""
-    from cuda.bindings import runtime
-    assert torch.cuda.can_device_access_peer(device, peer)
-    torch.cuda.synchronize(device)
-    (error, previous) = runtime.cudaGetDevice()
-    runtime.cudaSetDevice(device)
-    (error,) = runtime.cudaDeviceEnablePeerAccess(peer, 0)
-    runtime.cudaSetDevice(previous)
-    ok = (runtime.cudaError_t.cudaSuccess, runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled)
-    assert error in ok, error
-
-
 @pytest.fixture(scope="module")
 def two_gpu_slices(hbm_table):
     """Slice 0 on cuda:0 (a view of the table), slice 1 (the last, shorter) on cuda:1."""
-    _enable_peer_access(0, 1)
-    _enable_peer_access(1, 0)
+    from engram_ray.kernels.lookup import enable_peer_access
+    enable_peer_access(0, 1)
+    enable_peer_access(1, 0)
     return [hbm_table[:ROWS_PER_RANK], hbm_table[ROWS_PER_RANK:].to("cuda:1")]
 
 
@@ -111,28 +105,28 @@ def _check(table_for_reference, shape, out, seed, device="cuda:0", **kwargs):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("out", OUTS)
-def test_hbm(hbm_table, out, block_rows, shape):
-    _check(hbm_table, shape, out, seed=hash((out, block_rows, shape)) % 2**31,
-           table=hbm_table, block_rows=block_rows)
+def test_hbm(hbm_table, out, tile, shape):
+    _check(hbm_table, shape, out, seed=hash((out, tile, shape)) % 2**31,
+           table=hbm_table, block_rows=tile[0], prefetch=tile[1])
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("sort_rows", [False, True], ids=["unsorted", "sorted"])
-def test_host_pinned(host_table, sort_rows, out, block_rows, shape):
-    _check(host_table, shape, out, seed=hash((sort_rows, out, block_rows, shape)) % 2**31,
-           table=host_table, block_rows=block_rows, sort_rows=sort_rows)
+def test_host_pinned(host_table, sort_rows, out, tile, shape):
+    _check(host_table, shape, out, seed=hash((sort_rows, out, tile, shape)) % 2**31,
+           table=host_table, block_rows=tile[0], prefetch=tile[1], sort_rows=sort_rows)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("out", OUTS)
-def test_host_thp(thp_table, out, block_rows, shape):
-    _check(thp_table, shape, out, seed=hash(("thp", out, block_rows, shape)) % 2**31,
-           table=thp_table, block_rows=block_rows)
+def test_host_thp(thp_table, out, tile, shape):
+    _check(thp_table, shape, out, seed=hash(("thp", out, tile, shape)) % 2**31,
+           table=thp_table, block_rows=tile[0], prefetch=tile[1])
 
 
 def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
@@ -147,27 +141,27 @@ def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("out", OUTS)
-def test_peer_slices_one_gpu(hbm_table, out, block_rows, shape):
+def test_peer_slices_one_gpu(hbm_table, out, tile, shape):
     slices = list(hbm_table.split(ROWS_PER_RANK))
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
-    _check(hbm_table, shape, out, seed=hash(("peer1", out, block_rows, shape)) % 2**31,
-           peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=block_rows)
+    _check(hbm_table, shape, out, seed=hash(("peer1", out, tile, shape)) % 2**31,
+           peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("block_rows", BLOCKS, ids=lambda b: f"r{b or 'policy'}")
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
-def test_peer_slices_two_gpus(hbm_table, two_gpu_slices, device, out, block_rows, shape):
+def test_peer_slices_two_gpus(hbm_table, two_gpu_slices, device, out, tile, shape):
     bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device=device)
-    seed = hash(("peer2", device, out, block_rows, shape)) % 2**31
+    seed = hash(("peer2", device, out, tile, shape)) % 2**31
     ids = _row_ids(shape, seed, device)
     into = _poisoned(shape, out, device)
     got = _lookup(row_ids=ids, out=out, into=into, peer_bases=bases,
-                  rows_per_rank=ROWS_PER_RANK, block_rows=block_rows)
+                  rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
     torch.cuda.synchronize(device)
     expected = lookup_reference_split(two_gpu_slices, ROWS_PER_RANK, ids, HEAD_DIM, out=out)
     _assert_bitwise(got, expected)
@@ -180,15 +174,16 @@ def test_subnormal_and_overflowing_products_match(hbm_table):
     table = hbm_table[:4096].clone()
     table[:, HEAD_DIM:] = torch.arange(4096 * 8, device="cuda:0").view(4096, 8).remainder(255)
     ids = torch.arange(4096, device="cuda:0").view(128, 32)
-    for block_rows in (16, 128):
-        got = _lookup(row_ids=ids, table=table, out="bf16", block_rows=block_rows)
+    for block_rows, prefetch in TILES:
+        got = _lookup(row_ids=ids, table=table, out="bf16", block_rows=block_rows,
+                      prefetch=prefetch)
         _assert_bitwise(got, lookup_reference(table, ids, HEAD_DIM, out="bf16"))
 
 
 def test_policy_and_argument_errors(hbm_table):
     from engram_ray.kernels.lookup import TILE_POLICY, choose_block_rows, large_block_rows
     for placement, threshold in TILE_POLICY.items():
-        assert choose_block_rows(threshold - 1, ROW_BYTES, placement) == 16
+        assert choose_block_rows(min(threshold - 1, 1 << 20), ROW_BYTES, placement) == 16
         assert choose_block_rows(threshold, ROW_BYTES, placement) == 128
     assert large_block_rows(2048) == 16 and large_block_rows(528) == 64
     ids = torch.zeros(2, 3, dtype=torch.int64, device="cuda:0")

@@ -1,0 +1,135 @@
+"""Timing and tables shared by the lookup benchmark and its tuner (benchmarks/bench_lookup.py).
+
+Times are device events per launch with L2 flushed before each launch and the GPU held back by
+a sleep kernel, so launches queue up and Python launch overhead stays out of the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engram_ray.host_memory import allocate_host_table
+from engram_ray.kernels import lookup as kernel
+from engram_ray.reference import random_table
+
+HEAD_DIM, ROW_BYTES, NUM_COLS = 256, 264, 24
+GIB = 1 << 30
+NUM_ID_SETS = 4
+_FLUSH: list[torch.Tensor] = []
+
+
+def _flush_buffer() -> torch.Tensor:
+    """128 MiB written before each timed launch: more than the H200's 60 MB L2."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(128 << 20, dtype=torch.uint8, device="cuda:0"))
+    return _FLUSH[0]
+
+
+def time_launches(fn, *, budget_s: float, min_reps: int = 10, max_reps: int = 200,
+                  warmup: int = 3, wall: bool = False) -> list[float]:
+    """Milliseconds of each call `fn(i)` (i rotates inputs). `wall=True` (work that starts on
+    the CPU) synchronizes and reads the host clock around each call instead of events."""
+    flush = _flush_buffer()
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(0)
+    torch.cuda.synchronize()
+    estimate = time.perf_counter() - start
+    reps = int(max(min_reps, min(max_reps, budget_s / max(estimate, 1e-6))))
+    if wall:
+        times = []
+        for i in range(reps):
+            flush.zero_()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn(i)
+            torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - start))
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    torch.cuda._sleep(int(min(reps * 2e-4, 0.5) * 2e9))  # ~200 us of enqueueing per launch
+    for i, (begin, end) in enumerate(events):
+        flush.zero_()
+        begin.record()
+        fn(i)
+        end.record()
+    torch.cuda.synchronize()
+    return [begin.elapsed_time(end) for begin, end in events]
+
+
+def stats(times: list[float]) -> dict:
+    ordered = sorted(times)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"median_ms": ordered[len(ordered) // 2], "p99_ms": p99, "reps": len(times)}
+
+
+def copy_ceilings() -> dict:
+    """GB/s of a device-to-device copy (read + write), a pinned host-to-device copy and a
+    peer-to-device copy (GPU 1 to GPU 0, bytes read), each 1-2 GiB."""
+    src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    src.random_()
+    found = {"d2d_GBps": 2 * src.numel() / stats(time_launches(
+        lambda i: dst.copy_(src), budget_s=1.0))["median_ms"] / 1e6}
+    host = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    found["h2d_GBps"] = GIB / stats(time_launches(
+        lambda i: dst[:GIB].copy_(host, non_blocking=True), budget_s=1.0))["median_ms"] / 1e6
+    if torch.cuda.device_count() > 1:
+        kernel.enable_peer_access(0, 1)
+        remote = torch.empty(GIB, dtype=torch.uint8, device="cuda:1")
+        found["p2p_GBps"] = GIB / stats(time_launches(
+            lambda i: dst[:GIB].copy_(remote, non_blocking=True), budget_s=1.0))[
+            "median_ms"] / 1e6
+    return found
+
+
+def fill_random(table: torch.Tensor, seed: int, chunk_rows: int = 1 << 22) -> None:
+    generator = torch.Generator(device="cuda:0").manual_seed(seed)
+    for start in range(0, table.shape[0], chunk_rows):
+        rows = min(chunk_rows, table.shape[0] - start)
+        table[start:start + rows].copy_(random_table(rows, HEAD_DIM, generator=generator,
+                                                     device="cuda:0"))
+
+
+class Table:
+    """One benchmarked table: `lookup(ids, **options)` reads it by its placement."""
+
+    def __init__(self, placement: str, gib: int):
+        self.placement = placement
+        rows = gib * GIB // ROW_BYTES
+        if placement == "hbm":
+            self.parts = [torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device="cuda:0")]
+        elif placement in ("host", "host_thp"):
+            memory = allocate_host_table(rows * ROW_BYTES, use_thp=placement == "host_thp")
+            self.parts = [memory.view(rows, ROW_BYTES)]
+        else:  # peer: one slice here, one on GPU 1, read through NVLink
+            kernel.enable_peer_access(0, 1)
+            self.parts = [torch.empty(rows, ROW_BYTES, dtype=torch.uint8, device=device)
+                          for device in ("cuda:0", "cuda:1")]
+            self.bases = torch.tensor([part.data_ptr() for part in self.parts], device="cuda:0")
+        for seed, part in enumerate(self.parts):
+            fill_random(part, seed)
+        self.rows_per_rank = rows
+        self.num_rows = rows * len(self.parts)
+        torch.cuda.synchronize()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def lookup(self, ids: torch.Tensor, **options) -> torch.Tensor:
+        if self.placement == "peer":
+            return kernel.engram_lookup(ids, head_dim=HEAD_DIM, peer_bases=self.bases,
+                                        rows_per_rank=self.rows_per_rank, **options)
+        return kernel.engram_lookup(ids, head_dim=HEAD_DIM, table=self.parts[0], **options)
+
+    def id_sets(self, num_tokens: int, seed: int) -> list[torch.Tensor]:
+        """Uniform random ids over the whole table, NUM_ID_SETS sets to rotate over."""
+        generator = torch.Generator(device="cuda:0").manual_seed(seed)
+        return [torch.randint(0, self.num_rows, (num_tokens, NUM_COLS), generator=generator,
+                              device="cuda:0") for _ in range(NUM_ID_SETS)]

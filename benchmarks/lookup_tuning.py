@@ -1,0 +1,100 @@
+"""Measure the lookup tile policy: the best launch of 16-row and 128-row tiles per placement,
+then the lookup sizes from which 128-row tiles, and (host tables) sorted ids, win.
+
+The chosen values are set in `engram_ray.kernels.lookup` for the rest of the benchmark run and
+written to the report; the committed defaults in kernels/lookup.py are copied from it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engram_ray.kernels import lookup as kernel
+from lookup_timing import NUM_ID_SETS, stats, time_launches
+
+SWEEP_TOKENS = {"hbm": (43691, 2731), "peer": (43691, 2731), "host": (43691,),
+                "host_thp": (43691,)}
+PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
+
+
+def sweep(table, budget_s: float) -> list[dict]:
+    """Time every (tile rows, programs per SM, prefetch) at the sweep sizes, both outputs
+    (host tables: packed, with ids sorted as the large host lookups will be)."""
+    placement, found = table.placement, []
+    outs = ("packed",) if placement.startswith("host") else ("packed", "bf16")
+    for num_tokens in SWEEP_TOKENS[placement]:
+        ids = table.id_sets(num_tokens, seed=num_tokens + 1)
+        for out in outs:
+            for block_rows in (16, 128):
+                for per_sm in PROGRAMS_PER_SM:
+                    for prefetch in (False, True):
+                        config = kernel.TileConfig(block_rows, per_sm,
+                                                   4 if block_rows == 16 else 8, prefetch)
+
+                        def run(i, config=config):
+                            table.lookup(ids[i % NUM_ID_SETS], out=out,
+                                         block_rows=config.block_rows,
+                                         programs_per_sm=config.programs_per_sm,
+                                         num_warps=config.num_warps, prefetch=config.prefetch,
+                                         sort_rows=placement.startswith("host"))
+                        stat = stats(time_launches(run, budget_s=budget_s, min_reps=5,
+                                                   max_reps=50, warmup=2))
+                        found.append({"placement": placement, "rows": ids[0].numel(),
+                                      "out": out, **config.__dict__, **stat})
+                        print(json.dumps(found[-1]), flush=True)
+    return found
+
+
+def best_configs(found: list[dict]) -> dict:
+    """Per tile rows: the launch with the least total time relative to the best of each case."""
+    cases = {(r["rows"], r["out"]) for r in found}
+    fastest = {case: min(r["median_ms"] for r in found if (r["rows"], r["out"]) == case)
+               for case in cases}
+    chosen = {}
+    for block_rows in (16, 128):
+        scores = {}
+        for r in found:
+            if r["block_rows"] == block_rows:
+                key = (r["programs_per_sm"], r["num_warps"], r["prefetch"])
+                scores[key] = scores.get(key, 0.0) + r["median_ms"] / fastest[r["rows"], r["out"]]
+        per_sm, warps, prefetch = min(scores, key=scores.get)
+        chosen[block_rows] = kernel.TileConfig(block_rows, per_sm, warps, prefetch)
+    return chosen
+
+
+def first_size_where(better: dict[int, bool]) -> int:
+    """Smallest size from which `better[size]` holds at every larger size (2^62: never)."""
+    threshold = 1 << 62
+    for size in sorted(better, reverse=True):
+        if not better[size]:
+            break
+        threshold = size
+    return threshold
+
+
+def thresholds(rows: list[dict], placement: str) -> tuple[int, int]:
+    """(sort_min_rows, tile threshold) from fixed-tile results summed over both outputs."""
+    total: dict[tuple[int, str], float] = {}
+    for r in rows:
+        total[r["rows"], r["variant"]] = total.get((r["rows"], r["variant"]), 0.0) + r[
+            "median_ms"]
+    sizes = sorted({size for size, _ in total})
+    sort_min_rows = 1 << 62
+    if placement.startswith("host"):
+        sort_min_rows = first_size_where({
+            size: min(total[size, "r16_sorted"], total[size, "r128_sorted"])
+            < min(total[size, "r16"], total[size, "r128"]) for size in sizes})
+    suffix = {size: "_sorted" if size >= sort_min_rows else "" for size in sizes}
+    tile_threshold = first_size_where({
+        size: total[size, "r128" + suffix[size]] < total[size, "r16" + suffix[size]]
+        for size in sizes})
+    return sort_min_rows, tile_threshold
+
+
+def apply(placement: str, configs: dict, sort_min_rows: int, tile_threshold: int) -> dict:
+    """Set the measured policy in the kernel module for this run; return it as plain data."""
+    kernel.TILE_CONFIGS[placement] = dict(configs)
+    kernel.SORT_MIN_ROWS[placement] = sort_min_rows
+    kernel.TILE_POLICY[placement] = tile_threshold
+    return {"tile_configs": {str(b): c.__dict__ for b, c in configs.items()},
+            "sort_min_rows": sort_min_rows, "tile_threshold": tile_threshold}
