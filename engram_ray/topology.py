@@ -56,6 +56,19 @@ class FabricInfo:
                 and any(self.cluster_uuid) and self.clique_id != FABRIC_CLIQUE_ID_UNSET)
 
     @property
+    def why_unknown(self) -> str:
+        """Why this answer names no multi-node domain ('' when it does)."""
+        if self.state != NVML_GPU_FABRIC_STATE_COMPLETED:
+            return f"fabric state {self.state}, not completed ({NVML_GPU_FABRIC_STATE_COMPLETED})"
+        if self.status != NVML_SUCCESS:
+            return f"fabric registration failed (status {self.status})"
+        if not any(self.cluster_uuid):
+            return "fabric completed with a zero cluster UUID (no multi-node NVLink)"
+        if self.clique_id == FABRIC_CLIQUE_ID_UNSET:
+            return "fabric clique id unset"
+        return ""
+
+    @property
     def domain_key(self) -> tuple[bytes, int] | None:
         return (bytes(self.cluster_uuid), self.clique_id) if self.is_known else None
 
@@ -119,7 +132,7 @@ def decide_domain(report: NodeReport) -> DomainDecision:
         return DomainDecision(label_value(mnnvl_domain_id(fabric)), KIND_MNNVL,
                               f"GPU fabric registered: cluster {fabric.cluster_uuid.hex()} "
                               f"clique {fabric.clique_id}", num_gpus)
-    fabric_note = _fabric_note(keys)
+    fabric_note = _fabric_note(report, keys)
     if num_gpus >= 2 and report.are_all_nvlink_peers():
         return DomainDecision(label_value(f"host-{report.hostname}"), KIND_HOST,
                               f"all {num_gpus} GPUs are NVLink peers on this host "
@@ -131,9 +144,11 @@ def decide_domain(report: NodeReport) -> DomainDecision:
                           "group larger than 1 can form on this node", num_gpus)
 
 
-def _fabric_note(keys: set) -> str:
+def _fabric_note(report: NodeReport, keys: set) -> str:
     if keys == {None}:
-        return "no multi-node NVLink fabric (state not completed, zero UUID or unset clique)"
+        whys = {gpu.fabric.why_unknown if gpu.fabric else "no fabric info from NVML"
+                for gpu in report.gpus}
+        return "no multi-node NVLink fabric: " + "; ".join(sorted(whys))
     if None in keys:
         return "only some GPUs report a registered fabric"
     return f"the GPUs report {len(keys)} different fabric cliques"

@@ -24,12 +24,19 @@ GB200_TRAY = {  # one compute tray of a GB200 NVL72 rack: 4 GPUs, fabric registe
                                                  "state": 3, "status": 0}} for i in range(4)],
     "nvlink": "all",
 }
-H200_NV18 = {  # 8 x H200 with NVSwitch, no multi-node fabric (state NOT_SUPPORTED)
-    "hostname": "h200-node-12",
-    "gpus": [{"uuid": f"GPU-h200-{i}", "fabric": {"clusterUuid": "00" * 16, "cliqueId": 0,
-                                                  "state": 0, "status": 0}} for i in range(8)],
-    "nvlink": "all",
+H200_NV18 = {  # 2 x H200, NV18; recorded 2026-11-30, driver 580.159.04, nvidia-ml-py 13.615.71:
+    # fabric state COMPLETED with status SUCCESS but a zero cluster UUID and clique 0.
+    "hostname": "vm",
+    "gpus": [{"uuid": uuid, "fabric": {"clusterUuid": "00" * 16, "cliqueId": 0, "state": 3,
+                                       "status": 0}}
+             for uuid in ("GPU-7500a3ca-c8ad-5696-b342-13bd36c47281",
+                          "GPU-80c873ec-2e12-baaf-80f9-dada8d5ee380")],
+    "nvlink": [(0, 1)],
 }
+HGX_8GPU = dict(H200_NV18, hostname="h200-node-12", nvlink="all",  # older driver: no fabric
+                gpus=[{"uuid": f"GPU-h200-{i}", "fabric": {"clusterUuid": "00" * 16,
+                                                           "cliqueId": 0, "state": 0,
+                                                           "status": 0}} for i in range(8)])
 L40S_PCIE = {  # 4 GPUs on PCIe only: no NVLink pair, old driver without fabric info
     "hostname": "l40s-box", "gpus": [{"uuid": f"GPU-l40s-{i}", "fabric": None} for i in range(4)],
     "nvlink": [],
@@ -85,10 +92,17 @@ def test_fabric_on_some_gpus_only_is_not_a_rack_domain():
     assert decision.kind == KIND_HOST and "only some GPUs" in decision.reason
 
 
-def test_single_host_nvswitch_is_one_domain():
+def test_recorded_h200_pair_is_one_host_domain():
     decision = decide_domain(_report(H200_NV18))
+    assert (decision.kind, decision.domain_id, decision.num_gpus) == (KIND_HOST, "host-vm", 2)
+    assert "zero cluster UUID" in decision.reason
+
+
+def test_single_host_nvswitch_is_one_domain():
+    decision = decide_domain(_report(HGX_8GPU))
     assert (decision.kind, decision.domain_id, decision.num_gpus) == (KIND_HOST,
                                                                       "host-h200-node-12", 8)
+    assert "not completed" in decision.reason
     assert FabricInfo(bytes(16), 0, NVML_GPU_FABRIC_STATE_NOT_SUPPORTED).domain_key is None
 
 
@@ -107,7 +121,7 @@ def test_partial_nvlink_is_not_one_domain():
 
 
 def test_one_gpu_and_no_gpu_have_no_domain():
-    one = decide_domain(_report(dict(H200_NV18, gpus=H200_NV18["gpus"][:1])))
+    one = decide_domain(_report(dict(HGX_8GPU, gpus=HGX_8GPU["gpus"][:1])))
     assert one.kind == KIND_NONE and one.reason.startswith("one GPU")
     none = decide_domain(NodeReport("cpu-only"))
     assert none.kind == KIND_NONE and none.num_gpus == 0
@@ -119,9 +133,9 @@ def test_completed_fabric_constant_matches_nvml():
 
 
 def test_node_labels_and_ray_start_value():
-    labels = node_labels(_report(H200_NV18))
+    labels = node_labels(_report(HGX_8GPU))
     assert labels == {"engram.io/nvlink-domain": "host-h200-node-12"}
-    assert node_labels(_report(H200_NV18), key="example.com/domain") == {
+    assert node_labels(_report(HGX_8GPU), key="example.com/domain") == {
         "example.com/domain": "host-h200-node-12"}
     assert format_labels({"a/b": "x", "c": "y"}) == "a/b=x,c=y"
 
