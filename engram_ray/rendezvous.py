@@ -21,6 +21,8 @@ import stat
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from engram_ray.errors import EngramRayError
 
 STORE_FILE = "rendezvous.filestore"
@@ -70,8 +72,6 @@ class Rendezvous:
 
     def __init__(self, store_dir: str, generation: str, size: int, rank: int,
                  timeout_s: float):
-        import torch.distributed as dist  # torch is heavy; only members need it
-
         self.generation, self.size, self.rank = generation, size, rank
         self.timeout_s, self.store_dir = timeout_s, store_dir
         self._deadline = time.monotonic() + timeout_s
