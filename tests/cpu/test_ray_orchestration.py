@@ -149,6 +149,11 @@ class TestGroupsOfTwo:
         after = _wait_for(restarted, "the group to restart")
         assert after["generation_index"] == before["generation_index"] + 1
         assert after["num_restarts"] == 1
+        ids_before = [m["actor_id"] for m in before["members"]]
+        ids_after = [m["actor_id"] for m in after["members"]]
+        assert ids_after[0] == ids_before[0]  # the survivor rebuilt in place
+        assert ids_after[1] != ids_before[1]  # the dead one recreated in its bundle
+        assert after["members"][1]["node_id"] == before["members"][1]["node_id"]
         assert not os.path.exists(before["store_dir"])
         assert stat.S_IMODE(os.stat(after["store_dir"]).st_mode) == 0o700
         engines = deployment.engines(group_id)
