@@ -228,7 +228,7 @@ class MetricsServer:
     """`/metrics` over HTTP for one or more registries; port 0 picks a free port."""
 
     def __init__(self, registries, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0,
-                 include_process_registry: bool = True):
+                 include_process_registry: bool = True, advertise_host: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         for registry in registries:
             self.registry.register(registry)
@@ -236,15 +236,16 @@ class MetricsServer:
             self.registry.register(_ProcessRegistry())
         self._server, self._thread = start_http_server(port, addr=bind_address,
                                                        registry=self.registry)
-        self.bind_address = bind_address
+        self.bind_address, self.advertise_host = bind_address, advertise_host
         self.port = self._server.server_port
 
     @property
     def target(self) -> str:
-        """`host:port` for Prometheus (the bind address, or this node's IP if bound to all)."""
+        """`host:port` for Prometheus: the bind address, or `advertise_host` (this node's IP)
+        when bound to all addresses."""
         host = self.bind_address
         if host in ("0.0.0.0", "::", ""):
-            host = os.environ.get("ENGRAM_RAY_NODE_IP", "127.0.0.1")
+            host = self.advertise_host or "127.0.0.1"
         return f"{host}:{self.port}"
 
     def stop(self) -> None:

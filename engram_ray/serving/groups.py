@@ -1,0 +1,203 @@
+"""`GroupRegistry`: hands Serve replicas their place in a peer group, and keeps the metric
+targets list. One named actor per application (`engram-groups-<deployment name>`), on the head.
+
+Ranks are handed out under one lock (the rank-assigner pattern of Ray Serve LLM). A group's
+life is a generation: ranks 0..P-1 of the current generation are claimed by joining replicas;
+the engines then meet in their table rendezvous. When a member dies (the watch pings every
+member each `health_check_interval_s`), the group moves to a new generation with every rank
+free: the replacement replica Serve starts takes a rank at once, and the survivors, whose
+health checks now fail (`is_current` is false), are restarted by Serve and take the others.
+A replica only joins a group of its own NVLink domain (the node label `domain_label_key`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from engram_ray.assignment import (create_store_dir, generation_id, generation_store_dir,
+                                   remove_store_dir)
+from engram_ray.errors import EngramRayError
+from engram_ray.metrics import write_file_sd
+
+
+class NoFreeSlotError(EngramRayError):
+    """More replicas than peer-group ranks (num_peer_groups * peer_group_size)."""
+
+
+@dataclass
+class _Generation:
+    index: int
+    generation: str
+    store_dir: str
+    members: dict = field(default_factory=dict)   # rank -> (replica_id, actor handle)
+    ready: set = field(default_factory=set)        # ranks whose engine started
+    started_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Group:
+    group_id: str
+    domain: str | None = None
+    current: _Generation | None = None
+    history: list = field(default_factory=list)    # (index, reason) of ended generations
+
+
+def registry_name(deployment_name: str) -> str:
+    return f"engram-groups-{deployment_name}"
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class GroupRegistry:
+    def __init__(self, app_config_dict: dict):
+        from engram_ray.serving.config import ServeAppConfig
+
+        self.config = ServeAppConfig.from_dict(app_config_dict, "registry")
+        dep = self.config.deployment
+        self.groups = {f"group-{i}": _Group(f"group-{i}")
+                       for i in range(self.config.serving.num_peer_groups)}
+        self.targets: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._interval_s = dep.health_check_interval_s
+        threading.Thread(target=self._watch, daemon=True, name="engram-group-watch").start()
+
+    # --- ranks ---------------------------------------------------------------------------
+    def join(self, replica_id: str, handle, domain: str | None = None) -> dict:
+        """Claim a rank for `replica_id`; the assignment as a dict (PeerGroupSettings keys)."""
+        with self._lock:
+            for group in self.groups.values():
+                if group.domain not in (None, domain):
+                    continue
+                gen = group.current or self._new_generation_locked(group, "first start")
+                free = [r for r in range(self.config.deployment.peer_group_size)
+                        if r not in gen.members]
+                if free:
+                    group.domain = domain
+                    gen.members[free[0]] = (replica_id, handle)
+                    return self._assignment(group, gen, free[0])
+        raise NoFreeSlotError(
+            f"replica {replica_id} found no free rank: {self.config.num_replicas} ranks in "
+            f"{len(self.groups)} peer group(s) of {self.config.deployment.peer_group_size}, all "
+            f"taken (domain {domain!r}); lower the replica count or raise num_peer_groups")
+
+    def _assignment(self, group: _Group, gen: _Generation, rank: int) -> dict:
+        dep = self.config.deployment
+        return {"group_id": group.group_id, "rank": rank, "size": dep.peer_group_size,
+                "generation": gen.generation, "generation_index": gen.index,
+                "store": gen.store_dir, "timeout_s": dep.rendezvous_timeout_s,
+                "backend": dep.table_backend}
+
+    def _new_generation_locked(self, group: _Group, reason: str) -> _Generation:
+        dep = self.config.deployment
+        old = group.current
+        index = old.index + 1 if old else 1
+        if old is not None:
+            group.history.append((old.index, reason))
+            remove_store_dir(old.store_dir)
+            for _, (replica_id, _) in old.members.items():
+                self.targets.pop(replica_id, None)
+            self._write_targets_locked()
+        gen_id = generation_id(dep.name, group.group_id, index, secrets.token_hex(3))
+        store = generation_store_dir(dep.peer_group_store, dep.name, group.group_id, gen_id)
+        create_store_dir(store)
+        group.current = _Generation(index, gen_id, store)
+        return group.current
+
+    def ready(self, replica_id: str) -> None:
+        with self._lock:
+            for group in self.groups.values():
+                for rank, (rid, _) in (group.current.members.items() if group.current else ()):
+                    if rid == replica_id:
+                        group.current.ready.add(rank)
+
+    def is_current(self, replica_id: str) -> tuple[bool, str]:
+        """(True, "") while `replica_id` holds a rank of its group's current generation."""
+        with self._lock:
+            for group in self.groups.values():
+                gen = group.current
+                if gen and any(rid == replica_id for rid, _ in gen.members.values()):
+                    return True, ""
+            moved = [f"{g.group_id} moved to generation {g.current.index} "
+                     f"({g.history[-1][1]})" for g in self.groups.values()
+                     if g.current and g.history]
+            return False, "; ".join(moved) or "this replica holds no rank"
+
+    def leave(self, replica_id: str, reason: str = "replica stopped") -> None:
+        """A member leaving ends its generation (the others must rejoin the next one)."""
+        with self._lock:
+            self.targets.pop(replica_id, None)
+            for group in self.groups.values():
+                gen = group.current
+                if gen and any(rid == replica_id for rid, _ in gen.members.values()):
+                    self._new_generation_locked(group, f"{replica_id}: {reason}")
+            self._write_targets_locked()
+
+    # --- liveness ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self._interval_s)
+            with self._lock:
+                members = [(g, rid, h) for g in self.groups.values() if g.current
+                           for rid, h in g.current.members.values()]
+            for group, replica_id, handle in members:
+                if not _is_alive(handle, timeout_s=max(5.0, 5 * self._interval_s)):
+                    with self._lock:
+                        gen = group.current
+                        if gen and any(rid == replica_id for rid, _ in gen.members.values()):
+                            self._new_generation_locked(group, f"{replica_id} died")
+
+    # --- metric targets --------------------------------------------------------------------
+    def register_target(self, key: str, target: str, labels: dict | None = None) -> None:
+        with self._lock:
+            self.targets[key] = {"target": target, "labels": labels or {}}
+            self._write_targets_locked()
+
+    def _write_targets_locked(self) -> None:
+        write_file_sd(self.config.serving.prometheus_targets_file, self.targets)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {gid: {"domain": g.domain,
+                          "generation": g.current.generation if g.current else None,
+                          "generation_index": g.current.index if g.current else 0,
+                          "members": {r: rid for r, (rid, _) in g.current.members.items()}
+                          if g.current else {},
+                          "ready": sorted(g.current.ready) if g.current else [],
+                          "history": list(g.history)}
+                    for gid, g in self.groups.items()}
+
+
+def _is_alive(handle, timeout_s: float) -> bool:
+    """False only when the actor is known dead; a slow answer is not death."""
+    try:
+        ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+
+
+def _head_node_id() -> str:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def get_registry(app_config_dict: dict, deployment_name: str):
+    """The application's registry, created on the head node by the first replica that asks.
+
+    An explicit node-affinity strategy keeps it out of the asking replica's placement group
+    (a child actor would otherwise be captured into the replica's bundle)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return GroupRegistry.options(
+        name=registry_name(deployment_name), namespace="engram", get_if_exists=True,
+        lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=True),
+    ).remote(app_config_dict)

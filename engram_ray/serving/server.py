@@ -1,0 +1,171 @@
+"""Serve replicas that are engram-ray engines: Ray Serve LLM's `LLMServer` (or `DPServer` for
+data-parallel gangs) plus a peer-group rank, the group's table settings for vLLM, and metrics.
+
+Start of a replica (`start`, before vLLM starts):
+  rank from the GroupRegistry ─► `additional_config["engram_peer_group"]` (the vLLM plugin opens
+  this rank's slice and meets the group in the FileStore rendezvous while the engine loads)
+  ─► `/metrics` endpoint registered as a Prometheus target ─► vLLM engine (Ray Serve LLM)
+  ─► KV-cache capacity and a stat logger feeding KV usage and step time.
+Health: a replica whose group moved to a new generation (a member died) fails its health
+check, so Serve restarts it and it joins the new generation.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPServer
+
+from engram_ray.errors import EngramRayError
+from engram_ray.metrics import EngineIdentity, EngineMetrics, MetricsServer
+
+APP_CONFIG_KEY = "engram_app"
+
+
+class GroupMovedError(EngramRayError):
+    """This engine's peer group started a new generation; the engine must restart to rejoin."""
+
+
+class EngramStatLogger:
+    """A vLLM aggregate stat logger: KV-cache usage and engine step time into `EngineMetrics`.
+
+    Step time = the interval between consecutive engine outputs while requests run (vLLM
+    reports once per engine step)."""
+
+    def __init__(self, metrics: EngineMetrics, capacity_bytes: int, capacity_tokens: int):
+        self.metrics = metrics
+        self.capacity_bytes, self.capacity_tokens = capacity_bytes, capacity_tokens
+        self._last_step_at: float | None = None
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if scheduler_stats is not None:
+            self.metrics.set_kv_cache(self.capacity_bytes, self.capacity_tokens,
+                                      scheduler_stats.kv_cache_usage)
+            if scheduler_stats.num_running_reqs == 0:
+                self._last_step_at = None
+        if iteration_stats is not None:
+            now = iteration_stats.iteration_timestamp
+            if self._last_step_at is not None:
+                self.metrics.observe_step(max(0.0, now - self._last_step_at))
+            self._last_step_at = now
+
+    def record_sleep_state(self, *args, **kwargs):
+        pass
+
+    def record_admission_rejection(self, *args, **kwargs):
+        pass
+
+    def log(self):
+        pass
+
+    def log_engine_initialized(self):
+        pass
+
+
+def kv_cache_capacity(vllm_config) -> tuple[int, int]:
+    """(bytes, tokens) of the KV cache: blocks * block_size tokens, each token
+    2 (K and V) * layers * kv_heads * head_size * element bytes."""
+    import torch
+
+    cache, model, parallel = (vllm_config.cache_config, vllm_config.model_config,
+                              vllm_config.parallel_config)
+    tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+    dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, "uint8")
+    per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                 * model.get_head_size() * torch.empty((), dtype=dtype).element_size())
+    return tokens * per_token, tokens
+
+
+class EngramServerMixin:
+    """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
+
+    async def start(self):
+        import ray
+        from ray import serve
+
+        from engram_ray.layout import load_layout
+        from engram_ray.plan import make_plan
+        from engram_ray.serving.config import ServeAppConfig
+        from engram_ray.serving.groups import get_registry
+
+        raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]
+        self._app = app = ServeAppConfig.from_dict(raw, "replica")
+        dep = app.deployment
+        self._registry = get_registry(raw, dep.name)
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        labels = ray.get_runtime_context().get_node_labels() or {}
+        me = ray.get_runtime_context().current_actor
+        joined_at = time.perf_counter()
+        self._assignment = a = await self._registry.join.remote(
+            self._replica_id, me, labels.get(dep.domain_label_key))
+        self._llm_config.engine_kwargs.setdefault("additional_config", {})[
+            "engram_peer_group"] = {k: a[k] for k in ("size", "store", "rank", "generation",
+                                                      "timeout_s", "backend")}
+        identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['rank']}",
+                                  a["group_id"], a["rank"])
+        self.engram_metrics = EngineMetrics(identity)
+        layout = load_layout(dep.model)
+        plan = make_plan(layout, "peer", peer_group_size=a["size"])
+        host = plan.hbm_bytes_per_gpu if dep.table_backend == "shm" else 0
+        self.engram_metrics.set_table_plan(plan, make_plan(layout, "hbm"), layout.layer_ids,
+                                           host_bytes=host)
+        self.engram_metrics.set_group(a["generation_index"], False)
+        self._metrics_server = MetricsServer([self.engram_metrics.registry],
+                                             app.serving.metrics_bind_address,
+                                             app.serving.metrics_port,
+                                             advertise_host=ray.util.get_node_ip_address())
+        await self._registry.register_target.remote(self._replica_id,
+                                                    self._metrics_server.target)
+        try:
+            await super().start()
+        except BaseException as exc:
+            await self._leave(f"engine failed to start: {type(exc).__name__}: {exc}")
+            raise
+        self.engram_metrics.set_group(a["generation_index"], True,
+                                      rendezvous_seconds=time.perf_counter() - joined_at)
+        self._attach_stat_logger()
+        await self._registry.ready.remote(self._replica_id)
+
+    def _attach_stat_logger(self) -> None:
+        client = getattr(self.engine, "_engine_client", None)
+        manager = getattr(client, "logger_manager", None)
+        if client is None:
+            return
+        capacity_bytes, capacity_tokens = kv_cache_capacity(client.vllm_config)
+        self.engram_metrics.set_kv_cache(capacity_bytes, capacity_tokens, 0.0)
+        if manager is not None:
+            manager.stat_loggers.append(
+                EngramStatLogger(self.engram_metrics, capacity_bytes, capacity_tokens))
+
+    async def check_health(self) -> None:
+        await super().check_health()
+        is_current, reason = await self._registry.is_current.remote(self._replica_id)
+        if not is_current:
+            self.engram_metrics.set_group(self._assignment["generation_index"], False)
+            raise GroupMovedError(f"engine {self._replica_id} left its peer group: {reason}; "
+                                  "Serve restarts it to join the new generation")
+
+    async def _leave(self, reason: str) -> None:
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.stop()
+            self._metrics_server = None
+        try:
+            await self._registry.leave.remote(self._replica_id, reason)
+        except Exception:  # registry gone with the application: nothing to tell
+            pass
+
+    async def __del__(self):
+        if getattr(self, "_registry", None) is not None:
+            await self._leave("replica stopped")
+        await super().__del__()
+
+
+class EngramLLMServer(EngramServerMixin, LLMServer):
+    """One engine per replica (TP=1, PP=1, no data parallelism)."""
+
+
+class EngramDPServer(EngramServerMixin, DPServer):
+    """One data-parallel rank per replica (DEP2: gangs of 2 with expert parallelism)."""
+
