@@ -144,6 +144,40 @@ def environment(tables) -> dict:
     return env
 
 
+# vLLM 0.33's own kernel on one H200 (the issue's bar), 1.57M rows = 65536 tokens x 24 columns.
+VLLM_BAR_MS = {("hbm", "bf16"): 1.52, ("hbm", "packed"): 1.41, ("host", "bf16"): 56.5,
+               ("host_thp", "packed"): 53.8}
+
+
+def targets(report: dict) -> list[str]:
+    """Per placement and output: the policy against the better fixed tile (same id order) at
+    every size, p99/median, and the largest lookup against the copy ceiling and vLLM's bar."""
+    by_key = {(r["placement"], r["out"], r["rows"], r["variant"]): r for r in report["results"]}
+    lines = ["## Targets", "", "| placement | out | policy / better fixed tile, worst size | "
+             "p99/median >= 1M rows, worst | largest lookup: % ceiling | vs vLLM 0.33 bar |",
+             "|---|---|---|---|---|---|"]
+    for placement, out in sorted({(r["placement"], r["out"]) for r in report["results"]}):
+        sizes = sorted({r["rows"] for r in report["results"]
+                        if (r["placement"], r["out"]) == (placement, out)})
+        worst, jitter = (0.0, 0), 0.0
+        for size in sizes:
+            policy = by_key[placement, out, size, "policy"]
+            suffix = "_sorted" if size >= report["policy"][placement]["sort_min_rows"] else ""
+            fixed = min(by_key[placement, out, size, v + suffix]["median_ms"]
+                        for v in ("r16", "r128"))
+            worst = max(worst, (policy["median_ms"] / fixed, size))
+            if size >= 1 << 20:
+                jitter = max(jitter, policy["p99_ms"] / policy["median_ms"])
+        largest = by_key[placement, out, sizes[-1], "policy"]
+        bar = VLLM_BAR_MS.get((placement, out))
+        versus = f"{bar} ms -> {largest['median_ms']:.3f} ms ({bar / largest['median_ms']:.1f}x)" \
+            if bar and sizes[-1] == 1572864 else ""
+        lines.append(f"| {placement} | {out} | {worst[0]:.3f} (at {worst[1]} rows) | "
+                     f"{jitter:.3f} | {largest['pct_ceiling']:.0f}% ({largest['GBps']:.0f} GB/s) "
+                     f"| {versus} |")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     env, ceilings = report["environment"], report["ceilings"]
     lines = [f"# Engram lookup benchmark ({env['device']} x{env['num_gpus']})", "",
@@ -155,6 +189,8 @@ def markdown(report: dict) -> str:
              "ceiling (hbm, peer) or, for host tables, read GB/s of the host-to-device copy "
              "ceiling. Policy: " + json.dumps({p: {k: v for k, v in pol.items() if k != "sweep"}
                                                for p, pol in report["policy"].items()}), "",
+             *targets(report),
+             "## All measurements", "",
              "| placement | out | rows | variant | median ms | p99 ms | p99/med | GB/s | "
              "read GB/s | % ceiling | policy tile |", "|" + "---|" * 11]
     for row in report["results"]:

@@ -1,9 +1,9 @@
 """Peer-group tables: rendezvous time (CPU processes, shm) and GPU peer lookups (2 GPUs, cuda).
 
 `rendezvous`: groups of P = 2..8 local processes (shm backend, tiny tables) meet through the
-FileStore, after a start barrier (so process start-up skew stays out); per group the slowest
-member's rendezvous seconds (it waits for the last arrival) and the last arrival's (the
-protocol's own cost); median over repeats.
+FileStore, after a start barrier (so process start-up skew stays out); per group the time from
+the last member's arrival to the last member done (the rendezvous itself) and the slowest
+member's own rendezvous seconds (it also waits for later arrivals); median over repeats.
 
 `gpu`: two processes, one per GPU, open a model's tables split over both GPUs (cuda backend,
 synthetic rows generated on the GPU), check allocated bytes against `make_plan(.., "peer")`,
@@ -60,7 +60,7 @@ def bench_rendezvous(sizes: list[int], repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = {"ENGRAM_RAY_SHM_DIR": tmp}
         for size in sizes:
-            slowest, last = [], []
+            slowest, group = [], []
             for rep in range(repeats):
                 store = os.path.join(tmp, f"store-{size}-{rep}")
                 results = run_group(check_member, list(range(size)),
@@ -69,11 +69,14 @@ def bench_rendezvous(sizes: list[int], repeats: int) -> dict:
                 bad = [r for r in results if not r.is_ok]
                 if bad:
                     raise RuntimeError(f"P={size}: rank {bad[0].rank} failed:\n{bad[0].value}")
-                seconds = [r.value["stats"]["rendezvous_seconds"] for r in results]
+                stats = [r.value["stats"] for r in results]
+                seconds = [s["rendezvous_seconds"] for s in stats]
                 slowest.append(max(seconds))
-                last.append(min(seconds))
-            rows.append({"P": size, "slowest_member_s": sorted(slowest)[repeats // 2],
-                         "last_arrival_s": sorted(last)[repeats // 2],
+                group.append(max(s["rendezvous_started_at"] + s["rendezvous_seconds"]
+                                 for s in stats) - max(s["rendezvous_started_at"] for s in stats))
+            rows.append({"P": size, "group_s": sorted(group)[repeats // 2],
+                         "max_group_s": max(group),
+                         "slowest_member_s": sorted(slowest)[repeats // 2],
                          "max_slowest_s": max(slowest), "repeats": repeats})
             print(json.dumps(rows[-1]), flush=True)
     return {"env": environment(), "backend": "shm", "layout": "tiny (2 tables, 66-byte rows)",
@@ -86,15 +89,17 @@ def rendezvous_markdown(report: dict) -> str:
              f"Date {env['date']}, commit {env['commit']}, host with {env['cpus']} CPUs "
              "(shared with other work), processes started by forkserver, a start barrier before the "
              "tables are opened.", "",
-             "| P | slowest member (s, median) | last arrival (s, median) | slowest (s, max) |",
-             "| --- | --- | --- | --- |"]
+             "| P | group: last arrival to last done (s, median) | (s, max) | slowest member "
+             "(s, median) | slowest member (s, max) |",
+             "| --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
-        lines.append(f"| {r['P']} | {r['slowest_member_s']:.3f} | {r['last_arrival_s']:.3f} | "
-                     f"{r['max_slowest_s']:.3f} |")
-    lines += ["", "Slowest member: from its arrival at the store until every member has mapped "
-              "every peer's slices (includes waiting for later arrivals). Last arrival: the "
-              "same for the member that arrived last (the protocol's own cost). Target: under "
-              "2 s at P=8."]
+        lines.append(f"| {r['P']} | {r['group_s']:.3f} | {r['max_group_s']:.3f} | "
+                     f"{r['slowest_member_s']:.3f} | {r['max_slowest_s']:.3f} |")
+    lines += ["", "Group: from the last member's arrival at the store until the last member is "
+              "done (every member has every peer's slices mapped): the rendezvous itself. "
+              "Slowest member: from its own arrival until done, including waiting for members "
+              "that started later (on this shared 2-core machine, scheduling of P processes "
+              "that also fill their tables). Target: under 2 s at P=8."]
     return "\n".join(lines) + "\n"
 
 
@@ -169,7 +174,7 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
                "local_kernel_median_ms": local["median_ms"],
                "local_index_select_median_ms": baseline["median_ms"], "reps": peer["reps"]}
         if num_rows >= sweep_min_rows:
-            bases = tables._memory.peer_bases(table.layer_id)
+            bases = table.peer_bases
             row["sweep"] = [dict(variant, median_ms=timed(id_sets, lambda ids, v=variant:
                                  engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
                                                rows_per_rank=per_rank, **v))["median_ms"])

@@ -3,12 +3,13 @@
 # installs the checkout, runs tests/gpu, dumps PTX/SASS evidence and runs the benchmark.
 # Everything lands in $OUT (at most 8 files): env.txt pytest.log asm.txt bench.log bench.json
 # bench.md [sweep.json].
-# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_kernels.sh [quick|full]
-#   Both tune the tile policy first (sweep.json); quick times fewer sizes with a smaller budget.
+# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_kernels.sh [final|tune|quick]
+#   final: the committed tile policy; tune: measure the policy first (sweep.json) and use it;
+#   quick: tune with fewer sizes and a smaller budget.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
-MODE=${1:-full}
+MODE=${1:-final}
 OUT=${OUT:-/tmp/engram_out}
 mkdir -p "$OUT"
 {
@@ -29,15 +30,13 @@ timeout 90 python3 benchmarks/lookup_asm.py --out "$OUT/asm.txt" > /dev/null 2>&
 echo "asm rc=$? in $((SECONDS - t0)) s"; grep -E "^lookup_r(16|128)_(packed|bf16)(_prefetch)? " "$OUT/asm.txt" | cut -c1-220
 
 t0=$SECONDS
-if [ "$MODE" = quick ]; then
-    BENCH=(--budget-s 0.15 --tokens 43 683 2731 43691 65536)
-    LIMIT=300
-else
-    BENCH=(--budget-s 0.3)
-    LIMIT=420
-fi
-timeout $LIMIT python3 benchmarks/bench_lookup.py --json "$OUT/bench.json" --md "$OUT/bench.md" \
-    --sweep "$OUT/sweep.json" "${BENCH[@]}" > "$OUT/bench.log" 2>&1
+case "$MODE" in
+    quick) BENCH=(--budget-s 0.15 --tokens 43 683 2731 43691 65536 --sweep "$OUT/sweep.json") ;;
+    tune) BENCH=(--budget-s 0.3 --sweep "$OUT/sweep.json") ;;
+    *) BENCH=(--budget-s 0.3 --no-tune) ;;
+esac
+timeout 420 python3 benchmarks/bench_lookup.py --json "$OUT/bench.json" --md "$OUT/bench.md" \
+    "${BENCH[@]}" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
 grep -v '^{' "$OUT/bench.log" | grep -v "^hbm\|^peer\|^host" | tail -20
 grep -E "policy|r16 |r128 |sorted" "$OUT/bench.log" | grep -E " (1048584|1572864|65544) " | tail -60

@@ -11,9 +11,9 @@ NOTES:
   256 value bytes) and the 8 scale bytes of a row as one uint64 word.
 - Values are tiled `[BLOCK_R, NUM_SCALES, 32]`: the scale of a 32-value group is computed once
   per (row, group) and broadcast along the last axis inside each thread, with no shuffles.
-- Tiles of 16 rows keep many programs busy on small lookups; 128-row tiles keep ~33 KB of
-  independent row loads in flight per program, which large lookups need to cover HBM, NVLink
-  and PCIe latency. The measured thresholds live in `TILE_POLICY`.
+- Random row reads are latency-bound: what matters is rows in flight per SM (tile rows x
+  resident programs). 16-row tiles on 8 programs per SM and one 128-row tile per SM both keep
+  ~33 KB in flight; the measured launches and thresholds live in `TILE_CONFIGS`/`TILE_POLICY`.
 """
 
 from __future__ import annotations
@@ -51,17 +51,26 @@ class TileConfig:
                              f"{self.num_warps}; expected >= 1 / a power of two <= 16")
 
 
-# Measured on one H200 (benchmarks/results/lookup_h200.md, sweep in lookup_sweep_h200.json):
-# the 16-row and the large-tile launch per placement, the lookup size from which large tiles
-# win (TILE_POLICY) and, for host tables, from which sorting the ids first wins.
+# Measured on one H200 (benchmarks/results/lookup_h200.md; sweep in lookup_sweep_h200.json):
+# the best 16-row and 128-row launch per placement (rows x programs per SM ~ rows in flight),
+# the lookup size from which 128-row tiles win by more than 2% (TILE_POLICY) and, for host
+# tables, from which sorting the ids first wins. With a grid of 8 programs per SM, 16-row tiles
+# keep as many rows in flight as one 128-row tile per SM and were never slower by more than
+# noise for 264-byte rows, so no placement switches here; with vLLM's one program per SM,
+# 128-row tiles are 2.7x faster (the sweep has both).
+NEVER = 1 << 62
 TILE_CONFIGS = {
-    "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8)},
-    "host": {16: TileConfig(16, 4, 4), 128: TileConfig(128, 2, 8)},
-    "host_thp": {16: TileConfig(16, 4, 4), 128: TileConfig(128, 2, 8)},
-    "peer": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8)},
+    "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8, prefetch=True)},
+    "peer": {16: TileConfig(16, 16, 4, True), 128: TileConfig(128, 1, 8, True)},
+    # Host 16-row: 4 programs per SM (within 2% of the best at 1M sorted rows; 1 program per SM
+    # was 6-12% behind 128-row tiles at 256K).
+    "host": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 8, 8, True)},
+    "host_thp": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 1, 8, True)},
 }
-TILE_POLICY = {"hbm": 1 << 62, "host": 1 << 62, "host_thp": 1 << 62, "peer": 1 << 62}
-SORT_MIN_ROWS = {"hbm": 1 << 62, "host": 65536, "host_thp": 65536, "peer": 1 << 62}
+TILE_POLICY = {"hbm": NEVER, "peer": NEVER, "host": NEVER, "host_thp": NEVER}
+# Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
+# share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
+SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
 # Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
 # were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264
