@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # The README's first command: sets up this machine (scripts/setup.sh), then runs the local
-# deployment. Until `engram-ray local` is available it prints the DeepSeek-V4.1-Flash memory plan
-# (peer-group split against CPU offload). Extra arguments go to `engram-ray local`.
+# deployment `engram-ray local` (tiny Engram model, two CPU engines forming one peer group through
+# shared memory, OpenAI API on http://127.0.0.1:8000/v1, metrics, until Ctrl-C; --once stops
+# after the check). Extra arguments go to `engram-ray local`.
+#
+# It runs in the host network namespace so that you can reach the endpoint: every server it
+# starts listens on 127.0.0.1 and Ray's node address is 127.0.0.1, but Ray's own processes bind
+# to all addresses. Tests run the same command inside scripts/in_netns.sh (loopback only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "[local] DeepSeek-V4.1-Flash Engram memory plan (engram-ray plan --compare)"
+engram-ray plan --compare
 if python3 -c 'import sys; from engram_ray.commands import COMMANDS; sys.exit("local" not in COMMANDS)'; then
+    export TMPDIR="${TMPDIR:-/tmp}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
     exec engram-ray local "$@"
 fi
-echo "[local] DeepSeek-V4.1-Flash Engram memory plan (engram-ray plan --compare)"
-exec engram-ray plan --compare

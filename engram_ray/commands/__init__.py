@@ -9,4 +9,5 @@ COMMANDS = {
     "make-tiny-model": "make_tiny_model",
     "doctor": "doctor",
     "node-labels": "node_labels",
+    "local": "local",
 }

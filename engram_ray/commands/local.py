@@ -1,0 +1,71 @@
+"""`engram-ray local`: the local deployment (tiny Engram model, two CPU engines, one peer group).
+
+Sets up the tiny model, starts Ray on 127.0.0.1, deploys cluster_configs/serve_local_tiny.yaml,
+sends a completion through the OpenAI client, prints the memory plan, the endpoint and live
+metrics, then serves until Ctrl-C (`--once`: stop after the check).
+"""
+
+from __future__ import annotations
+
+import time
+
+HELP = "run the local deployment (tiny model, 2 CPU engines in one peer group) on 127.0.0.1"
+
+
+def configure(parser) -> None:
+    parser.add_argument("--workdir", default="/tmp/engram-ray",
+                        help="tiny model, stores and targets list (default /tmp/engram-ray)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1")
+    parser.add_argument("--once", action="store_true",
+                        help="stop after the check (for scripts and tests)")
+    parser.add_argument("--prompt", default="The river", help="prompt of the check")
+    parser.add_argument("--summary-every", type=float, default=60.0, metavar="S",
+                        help="seconds between metric summaries while serving (default 60)")
+
+
+def _plan_text(deployment) -> str:
+    """DeepSeek-V4.1-Flash's plan (what the split is for) and the tiny group's actual split."""
+    from engram_ray.commands.plan import format_plans
+    from engram_ray.layout import load_layout
+    from engram_ray.plan import make_plan
+
+    flash = load_layout("deepseek-v4.1-flash")
+    text = format_plans("deepseek-v4.1-flash", flash, [
+        make_plan(flash, "peer", peer_group_size=8),
+        make_plan(flash, "host", host_mode="dp-split", dp_size=2)])
+    tiny = load_layout(deployment.config.deployment.model)
+    size = deployment.config.deployment.peer_group_size
+    split = make_plan(tiny, "peer", peer_group_size=size)
+    return (text + f"\nthis deployment (tiny model): {tiny.total_bytes / 2**20:.2f} MiB of tables, "
+            f"{split.hbm_bytes_per_gpu / 2**20:.2f} MiB per engine in a peer group of {size} "
+            f"(shared memory)")
+
+
+def run(args) -> int:
+    from engram_ray.serving.local import LocalDeployment, LocalOptions, log
+    from engram_ray.serving.summary import format_summary
+
+    deployment = LocalDeployment(LocalOptions(workdir=args.workdir, port=args.port))
+    try:
+        deployment.start()
+        log("waiting for the engines (vLLM on CPU; a few minutes on 2 cores)")
+        seconds = deployment.wait_ready()
+        log(f"ready after {seconds:.0f} s")
+        text = deployment.complete(args.prompt)
+        print(f"completion of {args.prompt!r}: {text!r}")
+        print("\nmemory plan of the Engram tables:")
+        print(_plan_text(deployment))
+        print(f"\nendpoint: {deployment.url}/v1  (model {deployment.model_id!r}; OpenAI API: "
+              "completions, chat completions, streaming)")
+        print(f"metrics:  {', '.join(f'http://{t}/metrics' for t in deployment.targets())}"
+              f"\n          (Prometheus file_sd list: "
+              f"{deployment.config.serving.prometheus_targets_file})")
+        print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
+        if args.once:
+            return 0
+        log("serving; Ctrl-C stops everything")
+        while True:
+            time.sleep(args.summary_every)
+            print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
+    finally:
+        deployment.stop()

@@ -1,0 +1,188 @@
+"""The local deployment: tiny Engram model, Ray on 127.0.0.1, `serve_local_tiny.yaml` (two CPU
+engines forming one peer group through shared memory), an OpenAI check, live metrics.
+
+Used by `engram-ray local` and its tests. Every server listens on 127.0.0.1; Ray itself binds
+to all addresses, so tests run this inside a loopback-only network namespace.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from engram_ray.errors import EngramRayError
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+STARTUP_TIMEOUT_S = 900
+
+
+@dataclass
+class LocalOptions:
+    workdir: str = "/tmp/engram-ray"
+    port: int = 8000
+    num_logical_cpus: int = 4
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+
+
+def log(text: str) -> None:
+    print(f"[local] {text}", file=sys.stderr, flush=True)
+
+
+def serve_yaml_path() -> Path:
+    return Path(str(resources.files("engram_ray.cluster_configs") / "serve_local_tiny.yaml"))
+
+
+class LocalDeployment:
+    """start() -> wait_ready() -> complete() / metrics_text() ... -> stop() (idempotent)."""
+
+    def __init__(self, options: LocalOptions):
+        from engram_ray.serving.cluster_configs import read_yaml
+
+        self.options = opts = options
+        self.model_dir = os.path.join(opts.workdir, "tiny-model")
+        doc = read_yaml(serve_yaml_path())
+        app = doc["applications"][0]
+        args = app["args"]
+        args["deployment"].update(model=self.model_dir,
+                                  peer_group_store=os.path.join(opts.workdir, "store"))
+        args["serving"].update(model_source=self.model_dir, prometheus_targets_file=os.path.join(
+            opts.workdir, "prom_targets.json"))
+        doc["http_options"]["port"] = opts.port
+        self.doc, self.app_name, self.args = doc, app["name"], args
+        self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}
+        self.config = load_serve_config_from(doc)
+        self.url = f"http://127.0.0.1:{opts.port}"
+        self.model_id = self.config.serving.model_id
+        self._ray_started = False
+
+    # --- life cycle ----------------------------------------------------------------------
+    def clean_stale(self) -> None:
+        """Remove what an interrupted run may have left: store folders, shm slices, targets."""
+        dep = self.config.deployment
+        shutil.rmtree(os.path.join(dep.peer_group_store, dep.name), ignore_errors=True)
+        shm_dir = os.environ.get("ENGRAM_RAY_SHM_DIR", "/dev/shm")
+        for path in glob.glob(os.path.join(shm_dir, f"engram-ray-{dep.name}-*")):
+            os.unlink(path)
+        targets = self.config.serving.prometheus_targets_file
+        if os.path.exists(targets):
+            os.unlink(targets)
+
+    def make_model(self) -> None:
+        from engram_ray.models.tiny_checkpoint import write_tiny_model
+
+        if os.path.exists(os.path.join(self.model_dir, "config.json")):
+            log(f"tiny model: {self.model_dir} (exists)")
+            return
+        write_tiny_model(self.model_dir)
+        log(f"tiny model: wrote {self.model_dir}")
+
+    def start(self) -> None:
+        import ray
+        from ray import serve
+
+        from engram_ray.serve import build_app
+
+        os.environ.update(self.env)
+        os.makedirs(self.options.workdir, exist_ok=True)
+        self.clean_stale()
+        self.make_model()
+        log("starting Ray on 127.0.0.1 (a new local instance, never an existing cluster)")
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 num_cpus=self.options.num_logical_cpus, log_to_driver=False,
+                 runtime_env={"env_vars": self.env})
+        self._ray_started = True
+        serve.start(http_options={"host": "127.0.0.1", "port": self.options.port})
+        log(f"deploying {serve_yaml_path().name}: {self.config.num_replicas} CPU engines, "
+            f"one peer group (shm backend)")
+        # serve.run waits for the replicas; _run(_blocking=False) returns so progress can show.
+        from ray.serve.api import _run
+        _run(build_app(self.args), _blocking=False, name=self.app_name, route_prefix="/")
+
+    def wait_ready(self, progress=log) -> float:
+        """Block until the application runs and answers; seconds it took."""
+        from ray import serve
+
+        start = time.monotonic()
+        last = None
+        while True:
+            elapsed = time.monotonic() - start
+            if elapsed > self.options.startup_timeout_s:
+                raise EngramRayError(f"the local deployment was not ready after {elapsed:.0f} s:"
+                                     f" {self._state_text()}")
+            app = serve.status().applications.get(self.app_name)
+            state = self._state_text(app)
+            if app is not None and app.status == "DEPLOY_FAILED":
+                raise EngramRayError(f"deployment failed: {app.message}")
+            if app is not None and app.status == "RUNNING" and self._answers():
+                return time.monotonic() - start
+            if state != last or int(elapsed) % 15 == 0:
+                progress(f"{elapsed:5.0f} s  {state}")
+                last = state
+            time.sleep(1.0)
+
+    def _state_text(self, app=None) -> str:
+        if app is None:
+            return "waiting for the application"
+        parts = [f"app {app.status}"]
+        for name, dep in app.deployments.items():
+            running = dep.replica_states.get("RUNNING", 0)
+            total = sum(dep.replica_states.values())
+            parts.append(f"{name.split(':')[0]} {running}/{total} running")
+        return ", ".join(parts)
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def complete(self, prompt: str = "The river", max_tokens: int = 16) -> str:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{self.url}/v1", api_key="local", max_retries=2)
+        result = client.completions.create(model=self.model_id, prompt=prompt,
+                                           max_tokens=max_tokens, temperature=0.0)
+        return result.choices[0].text
+
+    def targets(self) -> list[str]:
+        import json
+
+        path = self.config.serving.prometheus_targets_file
+        if not os.path.exists(path):
+            return []
+        return [t for group in json.loads(Path(path).read_text()) for t in group["targets"]]
+
+    def metrics_texts(self) -> dict[str, str]:
+        out = {}
+        for target in self.targets():
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
+                out[target] = resp.read().decode()
+        return out
+
+    def stop(self) -> None:
+        if not self._ray_started:
+            return
+        import ray
+        from ray import serve
+
+        log("stopping: Serve, Ray, store folders and shared memory")
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            self._ray_started = False
+            self.clean_stale()
+
+
+def load_serve_config_from(doc: dict):
+    from engram_ray.serving.cluster_configs import check_serve_config
+
+    return next(iter(check_serve_config(doc, "serve_local_tiny.yaml").values()))
