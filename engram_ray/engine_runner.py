@@ -95,13 +95,13 @@ async def start_async_engine(model_dir: str, peer_group=None, **options: Any):
 
 
 def run_engine_process(model_dir: str, peer_group: dict | None, prompts: list[str],
-                       max_tokens: int, result_path: str) -> None:
+                       max_tokens: int, result_path: str, options: dict | None = None) -> None:
     """Process entry (multiprocessing spawn / subprocess): start an engine, answer `prompts`,
-    write JSON {"completions", "metrics"} to `result_path`."""
+    write JSON {"completions", "metrics"} to `result_path`. `options`: engine overrides."""
     import json
 
     apply_cpu_defaults()
-    engine = EngramEngine(model_dir, peer_group)
+    engine = EngramEngine(model_dir, peer_group, **(options or {}))
     try:
         completions = engine.generate(prompts, max_tokens)
         result = {"completions": completions, "metrics": engine.metrics()}

