@@ -22,6 +22,7 @@ from engram_ray.errors import ConfigError
 from engram_ray.layout import EngramLayout
 from engram_ray.peer.base import PeerMemory
 from engram_ray.plan import rows_per_rank, slice_range
+from engram_ray.reference import lookup_reference_split, row_bytes_for
 from engram_ray.rendezvous import Rendezvous
 
 BACKENDS = {"shm": "engram_ray.peer.shm:ShmPeerMemory",
@@ -66,7 +67,7 @@ class PeerGroupTable:
     def __init__(self, layer_id: int, num_rows: int, head_dim: int, spec: PeerGroupSpec,
                  memory: PeerMemory):
         self.layer_id, self.num_rows, self.head_dim = layer_id, num_rows, head_dim
-        self.row_bytes = head_dim + head_dim // 32
+        self.row_bytes = row_bytes_for(head_dim)
         self.rows_per_rank = rows_per_rank(num_rows, spec.size)
         self.slice_start, self.slice_end = slice_range(num_rows, spec.size, spec.rank)
         self._memory = memory
@@ -95,16 +96,27 @@ class PeerGroupTable:
         """row_ids int64 `[T, C]` (-1 = no row) -> uint8 `[T, C, row_bytes]` or bf16
         `[T, C, head_dim]`, read from whichever rank owns each row."""
         if self._memory.name == "shm":
-            from engram_ray.reference import lookup_reference_split
-            slices = [s[:max(0, min(self.num_rows - r * self.rows_per_rank, s.shape[0]))]
+            # Owned rows only, so ids past the table's end fail instead of reading padding.
+            slices = [s[:max(0, self.num_rows - r * self.rows_per_rank)]
                       for r, s in enumerate(self._memory.slices(self.layer_id))]
             return lookup_reference_split(slices, self.rows_per_rank, row_ids, self.head_dim,
                                           out)
         from engram_ray.kernels.lookup import engram_lookup
+        return engram_lookup(row_ids, head_dim=self.head_dim, peer_bases=self.peer_bases,
+                             rows_per_rank=self.rows_per_rank, out=out)
+
+    @property
+    def peer_bases(self) -> torch.Tensor:
+        """`[P]` int64 device addresses of every rank's slice (cuda backend), for calling
+        `engram_ray.kernels.lookup.engram_lookup` directly (e.g. with `into=`)."""
         if self._peer_bases is None:
             self._peer_bases = self._memory.peer_bases(self.layer_id)
-        return engram_lookup(row_ids, head_dim=self.head_dim, peer_bases=self._peer_bases,
-                             rows_per_rank=self.rows_per_rank, out=out)
+        return self._peer_bases
+
+    def release(self) -> None:
+        """Drop references to the slice memory (its owner is about to unmap it)."""
+        self.local = None
+        self._peer_bases = None
 
     def stats(self) -> dict:
         return {"layer_id": self.layer_id, "rows": self.num_rows,
@@ -117,9 +129,11 @@ class PeerGroupTables:
     """Every Engram table of a model for one member of a peer group (see `open_group_tables`)."""
 
     def __init__(self, layout: EngramLayout, spec: PeerGroupSpec, memory: PeerMemory,
-                 tables: dict[int, PeerGroupTable], rendezvous_seconds: float):
+                 tables: dict[int, PeerGroupTable], rendezvous_seconds: float,
+                 rendezvous_started_at: float = 0.0):
         self.layout, self.spec, self.tables = layout, spec, tables
         self.rendezvous_seconds = rendezvous_seconds
+        self.rendezvous_started_at = rendezvous_started_at  # epoch seconds of arrival
         self._memory = memory
 
     def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "packed") -> torch.Tensor:
@@ -132,13 +146,13 @@ class PeerGroupTables:
         return {"backend": self._memory.name, "handle_type": self._memory.handle_type,
                 "generation": self.spec.generation, "rank": self.spec.rank,
                 "size": self.spec.size, "rendezvous_seconds": self.rendezvous_seconds,
+                "rendezvous_started_at": self.rendezvous_started_at,
                 "tables": [t.stats() for t in self.tables.values()]}
 
     def close(self) -> None:
         """Unmap peers' slices and release own ones (shm files, CUDA mappings). Idempotent."""
         for table in self.tables.values():
-            table.local = None
-            table._peer_bases = None
+            table.release()
         self._memory.close()
 
 
@@ -167,7 +181,7 @@ def open_group_tables(layout: EngramLayout, spec: PeerGroupSpec, *, backend: str
         for layer_id, num_rows in zip(layout.layer_ids, layout.rows_per_table):
             tables[layer_id] = PeerGroupTable(layer_id, num_rows, layout.head_dim, spec, memory)
             tables[layer_id].fill(fill, seed, checkpoint)
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         rendezvous = Rendezvous(spec.store_dir, spec.generation, spec.size, spec.rank,
                                 spec.timeout_s)
         slices = {str(lid): [t.slice_start, t.slice_end] for lid, t in tables.items()}
@@ -176,7 +190,8 @@ def open_group_tables(layout: EngramLayout, spec: PeerGroupSpec, *, backend: str
         memory.map_peers(records)
         rendezvous.finish()
         memory.after_rendezvous()
-        return PeerGroupTables(layout, spec, memory, tables, time.perf_counter() - start)
+        return PeerGroupTables(layout, spec, memory, tables, time.perf_counter() - start,
+                               started_at)
     except BaseException as exc:
         if rendezvous is not None:
             rendezvous.fail(f"{type(exc).__name__}: {exc}")

@@ -34,9 +34,11 @@ class MemberResult:
     seconds: float
 
 
-def _member_main(target, rank, args, env, results) -> None:
+def _member_main(target, rank, args, env, num_threads, results) -> None:
     start = time.perf_counter()
     os.environ.update(env)
+    if num_threads:
+        torch.set_num_threads(num_threads)
     try:
         results.put((rank, True, target(rank, *args), time.perf_counter() - start))
     except BaseException:  # noqa: BLE001 - reported to the parent, which decides
@@ -45,17 +47,20 @@ def _member_main(target, rank, args, env, results) -> None:
 
 def run_group(target: Callable, ranks: list[int], args: tuple = (), *,
               env: dict[str, str] | None = None, timeout_s: float = 120.0,
-              start_method: str = "forkserver") -> list[MemberResult]:
+              start_method: str = "forkserver",
+              num_threads: int | None = 1) -> list[MemberResult]:
     """Call `target(rank, *args)` in one new process per rank; results sorted by rank.
 
     `env` is applied in each member (a forkserver's children see the server's environment,
-    not the caller's current one). A process that dies without a result (or outlives
-    `timeout_s`) gets `is_ok=False`."""
+    not the caller's current one). `num_threads`: torch CPU threads per member (1: P members
+    on a few cores would otherwise spin P x cores OpenMP threads against each other). A
+    process that dies without a result (or outlives `timeout_s`) gets `is_ok=False`."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", __name__, target.__module__])
     results = ctx.Queue()
-    procs = {r: ctx.Process(target=_member_main, args=(target, r, args, env or {}, results),
+    procs = {r: ctx.Process(target=_member_main, args=(target, r, args, env or {}, num_threads,
+                                                             results),
                             daemon=True) for r in ranks}
     for proc in procs.values():
         proc.start()
