@@ -105,12 +105,12 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
         for num_tokens in args.tokens:
             fixed += measure(table, out, num_tokens, fixed_variants(placement), budget)
     if args.tune:
-        sort_min_rows, threshold = lookup_tuning.thresholds(fixed, placement)
+        sort_min_rows, window = lookup_tuning.thresholds(fixed, placement)
         kernel.SORT_MIN_ROWS[placement] = sort_min_rows
-        kernel.TILE_POLICY[placement] = threshold
+        kernel.TILE_POLICY[placement] = window
     policy.update(tile_configs={str(b): c.__dict__ for b, c in
                                 kernel.TILE_CONFIGS[placement].items()},
-                  tile_threshold=kernel.TILE_POLICY[placement],
+                  rows_128=kernel.TILE_POLICY[placement],
                   sort_min_rows=kernel.SORT_MIN_ROWS[placement])
     print(placement, {k: v for k, v in policy.items() if k != "sweep"}, flush=True)
     rows = []

@@ -18,6 +18,9 @@ PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
 # A choice switches only where it wins by more than run-to-run noise (same version timed twice
 # differed by up to ~2% here).
 MARGIN = 0.02
+# Below this many rows host lookups (< 0.6 ms) have bimodal latency (medians flip between two
+# modes run to run), so tile windows only start at or above it.
+MIN_WINDOW_ROWS = 16384
 
 
 def sweep(table, budget_s: float) -> list[dict]:
@@ -66,8 +69,8 @@ def best_configs(found: list[dict]) -> dict:
 
 
 def first_size_where(better: dict[int, bool]) -> int:
-    """Smallest size from which `better[size]` holds at every larger size (2^62: never)."""
-    threshold = 1 << 62
+    """Smallest size from which `better[size]` holds at every larger size (NEVER: none)."""
+    threshold = kernel.NEVER
     for size in sorted(better, reverse=True):
         if not better[size]:
             break
@@ -75,23 +78,34 @@ def first_size_where(better: dict[int, bool]) -> int:
     return threshold
 
 
-def thresholds(rows: list[dict], placement: str) -> tuple[int, int]:
-    """(sort_min_rows, tile threshold) from fixed-tile results summed over both outputs."""
+def window_where(better: dict[int, bool]) -> tuple[int, int]:
+    """[first size where `better` holds, first larger size where it stops) or (NEVER, NEVER)."""
+    sizes = sorted(better)
+    starts = [size for size in sizes if better[size]]
+    if not starts:
+        return kernel.NEVER, kernel.NEVER
+    stops = [size for size in sizes if size > starts[0] and not better[size]]
+    return starts[0], stops[0] if stops else kernel.NEVER
+
+
+def thresholds(rows: list[dict], placement: str) -> tuple[int, tuple[int, int]]:
+    """(sort_min_rows, [min, max) rows for 128-row tiles) from fixed-tile results summed over
+    both outputs; each choice must win by more than MARGIN."""
     total: dict[tuple[int, str], float] = {}
     for r in rows:
         total[r["rows"], r["variant"]] = total.get((r["rows"], r["variant"]), 0.0) + r[
             "median_ms"]
     sizes = sorted({size for size, _ in total})
-    sort_min_rows = 1 << 62
+    sort_min_rows = kernel.NEVER
     if placement.startswith("host"):
         sort_min_rows = first_size_where({
             size: min(total[size, "r16_sorted"], total[size, "r128_sorted"])
             < (1 - MARGIN) * min(total[size, "r16"], total[size, "r128"]) for size in sizes})
     suffix = {size: "_sorted" if size >= sort_min_rows else "" for size in sizes}
-    tile_threshold = first_size_where({
-        size: total[size, "r128" + suffix[size]] < (1 - MARGIN) * total[size, "r16" + suffix[size]]
-        for size in sizes})
-    return sort_min_rows, tile_threshold
+    window = window_where({
+        size: size >= MIN_WINDOW_ROWS and total[size, "r128" + suffix[size]]
+        < (1 - MARGIN) * total[size, "r16" + suffix[size]] for size in sizes})
+    return sort_min_rows, window
 
 
 def from_report(path: str) -> dict:

@@ -53,21 +53,21 @@ class TileConfig:
 
 # Measured on one H200 (benchmarks/results/lookup_h200.md; sweep in lookup_sweep_h200.json):
 # the best 16-row and 128-row launch per placement (rows x programs per SM ~ rows in flight),
-# the lookup size from which 128-row tiles win by more than 2% (TILE_POLICY) and, for host
-# tables, from which sorting the ids first wins. With a grid of 8 programs per SM, 16-row tiles
-# keep as many rows in flight as one 128-row tile per SM and were never slower by more than
-# noise for 264-byte rows, so no placement switches here; with vLLM's one program per SM,
-# 128-row tiles are 2.7x faster (the sweep has both).
+# the lookup sizes [min, max) where 128-row tiles won by more than 2% (TILE_POLICY) and, for
+# host tables, the size from which sorting the ids first won. With a grid of 8 programs per SM,
+# 16-row tiles keep as many rows in flight as one 128-row tile per SM and were never slower by
+# more than noise in HBM, over NVLink or from THP host memory; with vLLM's one program per SM,
+# 128-row tiles are 2.7x faster (the sweep has both). Sorted lookups of a small-page host
+# table between 64K and 1M rows were 4-18% faster with 128-row tiles (1M and up: 5-13% slower).
 NEVER = 1 << 62
 TILE_CONFIGS = {
     "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8, prefetch=True)},
     "peer": {16: TileConfig(16, 16, 4, True), 128: TileConfig(128, 1, 8, True)},
-    # Host 16-row: 4 programs per SM (within 2% of the best at 1M sorted rows; 1 program per SM
-    # was 6-12% behind 128-row tiles at 256K).
     "host": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 8, 8, True)},
     "host_thp": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 1, 8, True)},
 }
-TILE_POLICY = {"hbm": NEVER, "peer": NEVER, "host": NEVER, "host_thp": NEVER}
+TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (65544, 1048584),
+               "host_thp": (NEVER, NEVER)}
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
 # share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
 SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
@@ -178,12 +178,14 @@ def large_block_rows(row_bytes: int) -> int:
 
 
 def choose_block_rows(num_rows_looked_up: int, row_bytes: int, placement: str) -> int:
-    """Tile rows for a lookup: 16 below the placement's measured threshold, else large tiles."""
+    """Tile rows for a lookup: large tiles inside the placement's measured [min, max) rows,
+    16-row tiles elsewhere."""
     if placement not in TILE_POLICY:
         raise ValueError(f"placement is {placement!r}; expected one of {PLACEMENTS}")
-    if num_rows_looked_up < TILE_POLICY[placement]:
-        return 16
-    return large_block_rows(row_bytes)
+    min_rows, max_rows = TILE_POLICY[placement]
+    if min_rows <= num_rows_looked_up < max_rows:
+        return large_block_rows(row_bytes)
+    return 16
 
 
 def tile_config(placement: str, block_rows: int) -> TileConfig:

@@ -182,9 +182,11 @@ def test_subnormal_and_overflowing_products_match(hbm_table):
 
 def test_policy_and_argument_errors(hbm_table):
     from engram_ray.kernels.lookup import TILE_POLICY, choose_block_rows, large_block_rows
-    for placement, threshold in TILE_POLICY.items():
-        assert choose_block_rows(min(threshold - 1, 1 << 20), ROW_BYTES, placement) == 16
-        assert choose_block_rows(threshold, ROW_BYTES, placement) == 128
+    for placement, (min_rows, max_rows) in TILE_POLICY.items():
+        assert choose_block_rows(min(min_rows - 1, 1 << 20), ROW_BYTES, placement) == 16
+        assert choose_block_rows(min_rows, ROW_BYTES, placement) == (
+            128 if min_rows < max_rows else 16)
+        assert choose_block_rows(max_rows, ROW_BYTES, placement) == 16
     assert large_block_rows(2048) == 16 and large_block_rows(528) == 64
     ids = torch.zeros(2, 3, dtype=torch.int64, device="cuda:0")
     with pytest.raises(ValueError, match="exactly one of"):
