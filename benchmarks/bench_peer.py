@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
 from engram_ray.peer.local_group import (check_member, expected_rows, file_barrier,  # noqa: E402
-                                        run_group)
+                                        random_row_ids, run_group)
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
@@ -204,10 +204,8 @@ def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
            "gpu": torch.cuda.get_device_name(rank)}
     out["equal"] = {}
     for idx, layer_id in enumerate(layout.layer_ids):
-        gen = torch.Generator(device="cuda").manual_seed(100 + rank)
-        ids = torch.randint(0, layout.rows_per_table[idx], (128, layout.num_cols),
-                            generator=gen, device="cuda")
-        ids[0, :3] = torch.tensor([0, layout.rows_per_table[idx] - 1, -1])
+        ids = random_row_ids(layout.rows_per_table[idx], (128, layout.num_cols), 100 + rank,
+                             f"cuda:{rank}")
         out["equal"][str(layer_id)] = all(torch.equal(tables.lookup(layer_id, ids, o),
                                                  expected_rows(ids, layout.head_dim, 0, o))
                                      for o in ("packed", "bf16"))

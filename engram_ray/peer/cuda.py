@@ -196,6 +196,8 @@ class CudaPeerMemory(PeerMemory):
         self._exported_fds.clear()
 
     def slices(self, key: int) -> list[torch.Tensor]:
+        """For inspection: lookups read through `peer_bases`. torch attributes a peer's
+        tensor to the device that holds its memory."""
         num_rows, row_bytes = self._shapes[key]
         own = self._own[key]
         return [self._tensor(own.address if r == self.rank else self._peers[key][r].address,
