@@ -3,14 +3,57 @@
 `register()`:
 - registers `EngramTinyForCausalLM` (engram_ray.models.tiny_engram) as a vLLM architecture,
   by name only, so nothing heavy is imported here;
-- arranges for DeepSeek-V4.1's Engram table class to be patched (engram_ray.deepseek_patch)
-  when, and only when, vLLM imports `vllm.models.deepseek_v41.common.engram`.
+- patches DeepSeek-V4.1's Engram table class (`engram_ray.models.deepseek_engram`) in
+  `vllm.models.deepseek_v41.common.engram`: at once if vLLM has imported that module already,
+  otherwise right after vLLM imports it (importing it takes ~8 s; processes that never serve
+  DeepSeek-V4.1 never pay for it).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
+
 TINY_ARCHITECTURE = "EngramTinyForCausalLM"
 TINY_MODEL_CLASS = "engram_ray.models.tiny_engram:EngramTinyForCausalLM"
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+
+
+def _patch(module) -> None:
+    from engram_ray.models.deepseek_engram import patch_engram_module
+    patch_engram_module(module)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ENGRAM_MODULE through the other finders, runs it, then patches it."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != ENGRAM_MODULE:
+            return None
+        sys.meta_path.remove(self)  # one module, once
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _patch(module)
+
+
+def install_deepseek_patch() -> None:
+    """Patch now, or after vLLM imports the DeepSeek-V4.1 Engram module (idempotent)."""
+    module = sys.modules.get(ENGRAM_MODULE)
+    if module is not None:
+        _patch(module)
+    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
 
 
 def register() -> None:
@@ -18,3 +61,4 @@ def register() -> None:
 
     if TINY_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(TINY_ARCHITECTURE, TINY_MODEL_CLASS)
+    install_deepseek_patch()

