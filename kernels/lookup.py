@@ -18,62 +18,20 @@ NOTES:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from engram_ray.host_memory import is_huge_page_backed
+from engram_ray.kernels.lookup_policy import (  # noqa: F401  (re-exported: the policy API)
+    MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, TILE_CONFIGS, TILE_POLICY, TileConfig,
+    choose_block_rows, large_block_rows, tile_config)
 from engram_ray.reference import row_bytes_for
 
 OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
-PLACEMENTS = ("hbm", "host", "host_thp", "peer")
 SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """How one lookup is launched: rows per tile, persistent programs per SM, warps per
-    program, and whether the next tile's loads are issued before this tile's stores."""
-
-    block_rows: int
-    programs_per_sm: int
-    num_warps: int
-    prefetch: bool = False
-
-    def __post_init__(self):
-        if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
-            raise ValueError(f"block_rows is {self.block_rows}; expected a power of two in "
-                             "[1, 512]")
-        if self.programs_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"programs_per_sm {self.programs_per_sm} / num_warps "
-                             f"{self.num_warps}; expected >= 1 / a power of two <= 16")
-
-
-# Measured on one H200 (benchmarks/results/lookup_h200.md; sweep in lookup_sweep_h200.json):
-# the best 16-row and 128-row launch per placement (rows x programs per SM ~ rows in flight),
-# the lookup sizes [min, max) where 128-row tiles won by more than 2% (TILE_POLICY) and, for
-# host tables, the size from which sorting the ids first won. With a grid of 8 programs per SM,
-# 16-row tiles keep as many rows in flight as one 128-row tile per SM and were never slower by
-# more than noise in HBM, over NVLink or from THP host memory; with vLLM's one program per SM,
-# 128-row tiles are 2.7x faster (the sweep has both). Sorted lookups of a small-page host
-# table between 64K and 1M rows were 4-18% faster with 128-row tiles (1M and up: 5-13% slower).
-NEVER = 1 << 62
-TILE_CONFIGS = {
-    "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8, prefetch=True)},
-    "peer": {16: TileConfig(16, 16, 4, True), 128: TileConfig(128, 1, 8, True)},
-    "host": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 8, 8, True)},
-    "host_thp": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 1, 8, True)},
-}
-TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (65544, 1048584),
-               "host_thp": (NEVER, NEVER)}
-# Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
-# share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
-SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
-# Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
-# were 4.7x slower than 16-row tiles: register pressure).
-MAX_TILE_BYTES = 128 * 264
 # Non-empty while Triton accepts pinned host tensors as pointers (it resolves their UVA address).
 _HOST_POINTERS_OK = [True]
 
@@ -167,33 +125,6 @@ def _engram_lookup_kernel(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
                 BLOCK_R, IS_PEER, IS_SORTED)
             _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16)
-
-
-def large_block_rows(row_bytes: int) -> int:
-    """Rows per large tile: 128, or fewer (a power of two >= 16) for rows wider than 264 B."""
-    rows = 128
-    while rows > 16 and rows * row_bytes > MAX_TILE_BYTES:
-        rows //= 2
-    return rows
-
-
-def choose_block_rows(num_rows_looked_up: int, row_bytes: int, placement: str) -> int:
-    """Tile rows for a lookup: large tiles inside the placement's measured [min, max) rows,
-    16-row tiles elsewhere."""
-    if placement not in TILE_POLICY:
-        raise ValueError(f"placement is {placement!r}; expected one of {PLACEMENTS}")
-    min_rows, max_rows = TILE_POLICY[placement]
-    if min_rows <= num_rows_looked_up < max_rows:
-        return large_block_rows(row_bytes)
-    return 16
-
-
-def tile_config(placement: str, block_rows: int) -> TileConfig:
-    """The measured launch for 16 or 128 rows; others keep ~128 rows per SM in flight."""
-    tuned = TILE_CONFIGS[placement].get(block_rows)
-    if tuned is not None:
-        return tuned
-    return TileConfig(block_rows, max(1, 128 // block_rows), 4 if block_rows <= 32 else 8)
 
 
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:

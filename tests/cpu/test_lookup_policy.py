@@ -1,0 +1,42 @@
+"""The lookup kernel's launch policy (kernels/lookup_policy.py): pure Python, no GPU."""
+
+import pytest
+
+from engram_ray.kernels.lookup_policy import (NEVER, PLACEMENTS, SORT_MIN_ROWS, TILE_CONFIGS,
+                                              TILE_POLICY, TileConfig, choose_block_rows,
+                                              large_block_rows, tile_config)
+
+ROW_BYTES = 264
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_window_bounds(placement):
+    min_rows, max_rows = TILE_POLICY[placement]
+    assert choose_block_rows(0, ROW_BYTES, placement) == 16
+    assert choose_block_rows(min(min_rows, 1 << 40) - 1, ROW_BYTES, placement) == 16
+    assert choose_block_rows(min_rows, ROW_BYTES, placement) == (128 if min_rows < max_rows
+                                                                 else 16)
+    assert choose_block_rows(max_rows, ROW_BYTES, placement) == 16
+    assert set(TILE_CONFIGS[placement]) == {16, 128} and placement in SORT_MIN_ROWS
+
+
+def test_small_page_host_window_and_sorting():
+    assert choose_block_rows(262152, ROW_BYTES, "host") == 128
+    assert choose_block_rows(1048584, ROW_BYTES, "host") == 16
+    assert SORT_MIN_ROWS["host"] < NEVER and SORT_MIN_ROWS["hbm"] == NEVER
+
+
+def test_large_tiles_shrink_for_wide_rows():
+    assert large_block_rows(264) == 128
+    assert large_block_rows(528) == 64
+    assert large_block_rows(2048) == 16
+    assert choose_block_rows(262152, 2048, "host") == 16
+
+
+def test_tile_config_defaults_and_validation():
+    assert tile_config("hbm", 16) is TILE_CONFIGS["hbm"][16]
+    assert tile_config("hbm", 64) == TileConfig(64, 2, 8)
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig(24, 1, 4)
+    with pytest.raises(ValueError, match="expected one of"):
+        choose_block_rows(10, ROW_BYTES, "disk")
