@@ -3,8 +3,8 @@
 committed file differs from what this code generates (tests/cpu/test_dashboards.py runs it).
 
 Queries filter on the template variables `$model`, `$engine`, `$peer_group` and use
-`$__rate_interval`; vLLM's own series are matched under both names they can carry: `vllm:*`
-(an engine's `/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
+`$__rate_interval`; vLLM's own series are matched under every name they can carry: `vllm:*`
+or `vllm_*` (an engine's `/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ QUANTILES = (0.5, 0.95, 0.99)
 
 
 def vllm_series(name: str) -> str:
-    """Selector matching vLLM metric `name` as exported directly and through Ray."""
-    return f'{{__name__=~"vllm:{name}|ray_vllm_{name}", model_name=~"$model"}}'
+    """Selector matching vLLM metric `name` as exported directly (`vllm:name`; scraped as
+    OpenMetrics, prometheus-client escapes it to `vllm_name`) and through Ray (`ray_vllm_name`)."""
+    return f'{{__name__=~"(ray_)?vllm[:_]{name}", model_name=~"$model"}}'
 
 
 def quantile_targets(bucket_selector: str, by: str = "engine") -> list[dict]:

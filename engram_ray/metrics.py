@@ -36,6 +36,8 @@ LOOKUP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e
 # Engine steps: ~10 ms decode on GPU to seconds for a prefill on CPU.
 STEP_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
+# vLLM `additional_config` key telling the model process where to report lookups.
+PROCESS_METRICS_KEY = "engram_metrics"
 
 
 @dataclass(frozen=True)
@@ -268,3 +270,30 @@ def write_file_sd(path: str, targets: dict[str, dict]) -> None:
     with os.fdopen(fd, "w") as out:
         json.dump(groups, out, indent=1)
     os.replace(tmp, path)
+
+
+def start_process_metrics(additional_config) -> EngineMetrics | None:
+    """In vLLM's model process (where lookups run): this engine's metrics on their own
+    `/metrics` endpoint, whose `host:port` is written to `target_file` so the Serve replica
+    registers it as a Prometheus target. None when `additional_config` has no
+    `engram_metrics` entry (the engine was not started by the Serve app).
+
+    `additional_config["engram_metrics"]`: model, engine, peer_group, rank, bind_address,
+    advertise_host, target_file. Feed lookups with `metered_lookup(metrics, tables, ...)`.
+    """
+    raw = (additional_config or {}).get(PROCESS_METRICS_KEY)
+    if not raw:
+        return None
+    metrics = EngineMetrics(EngineIdentity(raw["model"], raw["engine"], raw["peer_group"],
+                                           int(raw["rank"])))
+    metrics.server = MetricsServer([metrics.registry], raw.get("bind_address",
+                                                               DEFAULT_BIND_ADDRESS),
+                                   include_process_registry=False,
+                                   advertise_host=raw.get("advertise_host"))
+    directory = os.path.dirname(os.path.abspath(raw["target_file"]))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_target.")
+    with os.fdopen(fd, "w") as out:
+        json.dump({"target": metrics.server.target, "pid": os.getpid()}, out)
+    os.replace(tmp, raw["target_file"])
+    return metrics

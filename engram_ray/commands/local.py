@@ -57,6 +57,7 @@ def run(args) -> int:
         print(_plan_text(deployment))
         print(f"\nendpoint: {deployment.url}/v1  (model {deployment.model_id!r}; OpenAI API: "
               "completions, chat completions, streaming)")
+        print(f"ray:      {deployment.ray_address}  (RAY_AUTH_MODE=disabled)")
         print(f"metrics:  {', '.join(f'http://{t}/metrics' for t in deployment.targets())}"
               f"\n          (Prometheus file_sd list: "
               f"{deployment.config.serving.prometheus_targets_file})")

@@ -100,6 +100,7 @@ class GroupRegistry:
             remove_store_dir(old.store_dir)
             for _, (replica_id, _) in old.members.items():
                 self.targets.pop(replica_id, None)
+                self.targets.pop(f"{replica_id}/model", None)
             self._write_targets_locked()
         gen_id = generation_id(dep.name, group.group_id, index, secrets.token_hex(3))
         store = generation_store_dir(dep.peer_group_store, dep.name, group.group_id, gen_id)
@@ -130,6 +131,7 @@ class GroupRegistry:
         """A member leaving ends its generation (the others must rejoin the next one)."""
         with self._lock:
             self.targets.pop(replica_id, None)
+            self.targets.pop(f"{replica_id}/model", None)
             for group in self.groups.values():
                 gen = group.current
                 if gen and any(rid == replica_id for rid, _ in gen.members.values()):

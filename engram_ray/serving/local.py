@@ -61,6 +61,7 @@ class LocalDeployment:
         self.url = f"http://127.0.0.1:{opts.port}"
         self.model_id = self.config.serving.model_id
         self._ray_started = False
+        self.ray_address = None
 
     # --- life cycle ----------------------------------------------------------------------
     def clean_stale(self) -> None:
@@ -98,6 +99,7 @@ class LocalDeployment:
                  num_cpus=self.options.num_logical_cpus, log_to_driver=False,
                  runtime_env={"env_vars": self.env})
         self._ray_started = True
+        self.ray_address = ray.get_runtime_context().gcs_address
         serve.start(http_options={"host": "127.0.0.1", "port": self.options.port})
         log(f"deploying {serve_yaml_path().name}: {self.config.num_replicas} CPU engines, "
             f"one peer group (shm backend)")

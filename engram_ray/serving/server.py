@@ -12,13 +12,17 @@ check, so Serve restarts it and it joins the new generation.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPServer
 
 from engram_ray.errors import EngramRayError
-from engram_ray.metrics import EngineIdentity, EngineMetrics, MetricsServer
+from engram_ray.metrics import (PROCESS_METRICS_KEY, EngineIdentity, EngineMetrics,
+                                MetricsServer)
 
 APP_CONFIG_KEY = "engram_app"
 
@@ -104,6 +108,12 @@ class EngramServerMixin:
                                                       "timeout_s", "backend")}
         identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['rank']}",
                                   a["group_id"], a["rank"])
+        self._model_target_file = os.path.join(
+            tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
+        self._llm_config.engine_kwargs["additional_config"][PROCESS_METRICS_KEY] = {
+            **identity.labels(), "bind_address": app.serving.metrics_bind_address,
+            "advertise_host": ray.util.get_node_ip_address(),
+            "target_file": self._model_target_file}
         self.engram_metrics = EngineMetrics(identity)
         layout = load_layout(dep.model)
         plan = make_plan(layout, "peer", peer_group_size=a["size"])
@@ -125,7 +135,16 @@ class EngramServerMixin:
         self.engram_metrics.set_group(a["generation_index"], True,
                                       rendezvous_seconds=time.perf_counter() - joined_at)
         self._attach_stat_logger()
+        await self._register_model_process_target()
         await self._registry.ready.remote(self._replica_id)
+
+    async def _register_model_process_target(self) -> None:
+        """The model process's lookup metrics endpoint, if it started one
+        (`engram_ray.metrics.start_process_metrics`)."""
+        if os.path.exists(self._model_target_file):
+            with open(self._model_target_file) as f:
+                target = json.load(f)["target"]
+            await self._registry.register_target.remote(f"{self._replica_id}/model", target)
 
     def _attach_stat_logger(self) -> None:
         client = getattr(self.engine, "_engine_client", None)

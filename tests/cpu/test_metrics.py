@@ -107,3 +107,21 @@ def test_file_sd_list(tmp_path):
         {"targets": ["127.0.0.1:1"], "labels": {}},
         {"targets": ["127.0.0.1:2"], "labels": {"x": "1"}}]
     assert [p.name for p in path.parent.iterdir()] == ["targets.json"]
+
+
+def test_model_process_metrics_endpoint_is_announced_in_its_target_file(tmp_path):
+    from engram_ray.metrics import start_process_metrics
+
+    assert start_process_metrics({"engram_peer_group": {}}) is None
+    target_file = tmp_path / "t" / "replica.json"
+    metrics = start_process_metrics({"engram_metrics": {
+        **IDENTITY.labels(), "bind_address": "127.0.0.1", "target_file": str(target_file)}})
+    try:
+        metrics.observe_lookup("layer1", 0.001, 3, 1)
+        target = json.loads(target_file.read_text())["target"]
+        assert target == metrics.server.target
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        metrics.server.stop()
+    assert 'engram_rows_read_total{engine="engine-0"' in text and 'rows="remote"} 1.0' in text

@@ -1,0 +1,244 @@
+"""The local deployment end to end (slow): `engram-ray local` as a user runs it, then the OpenAI
+API, malformed requests, every dashboard panel through a real Prometheus, 100 concurrent streams,
+an engine killed under load, and Ctrl-C followed by a clean second run.
+
+One deployment for the whole module (two vLLM engines on CPU take minutes to start).
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engram_ray.serving.loadgen import run_load
+from engram_ray.serving.prometheus import Prometheus, free_port, scrape_config
+from engram_ray.serving.summary import engine_row, parse_samples
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "dashboards"))
+import generate  # noqa: E402
+
+MODEL = "engram-tiny"
+STARTUP_S = 900
+# Lookup latency and remote rows are measured where the lookups run, in vLLM's model process;
+# until the plugin feeds engram_ray.metrics there, those panels have no data (strict xfail).
+LOOKUP_PANELS = {"Lookup latency p50/p95/p99 (local and remote rows)", "Rows read from peers"}
+
+
+class Local:
+    def __init__(self, workdir: Path):
+        self.workdir, self.port = workdir, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out, self.err = workdir / "out.txt", workdir / "err.txt"
+        self.proc = subprocess.Popen(
+            ["engram-ray", "local", "--workdir", str(workdir), "--port", str(self.port),
+             "--summary-every", "3600"],
+            stdout=open(self.out, "w"), stderr=open(self.err, "w"), start_new_session=True)
+
+    def wait_for(self, text: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = self.out.read_text()
+            if text in out:
+                return out
+            if self.proc.poll() is not None:
+                break
+            time.sleep(2)
+        raise AssertionError(f"no {text!r} (rc {self.proc.poll()}):\n{self.out.read_text()}\n"
+                             f"{self.err.read_text()[-4000:]}")
+
+    @property
+    def ray_address(self) -> str:
+        return re.search(r"^ray:\s+(\S+)", self.out.read_text(), re.M).group(1)
+
+    @property
+    def targets_file(self) -> Path:
+        return self.workdir / "prom_targets.json"
+
+    def engine_rows(self) -> list[dict]:
+        rows = []
+        for group in json.loads(self.targets_file.read_text()):
+            url = f"http://{group['targets'][0]}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                rows.append(engine_row(parse_samples(resp.read().decode())))
+        return rows
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    deployment = Local(tmp_path_factory.mktemp("local"))
+    try:
+        deployment.wait_for("live metrics:", STARTUP_S)
+        yield deployment
+    finally:
+        if deployment.proc.poll() is None:
+            deployment.proc.send_signal(signal.SIGINT)
+            try:
+                deployment.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                deployment.proc.kill()
+
+
+def test_check_prints_completion_plan_endpoint_and_metrics(local):
+    out = local.out.read_text()
+    assert "completion of 'The river':" in out
+    assert "deepseek-v4.1-flash" in out and "23.60" in out  # the plan, per GPU in a group of 8
+    assert f"endpoint: {local.url}/v1" in out
+    rows = local.engine_rows()
+    assert sorted(r["engine"] for r in rows) == ["group-0-r0", "group-0-r1"]
+    assert all(r["healthy"] and r["generation"] == 1 and r["kv_tokens"] > 0 for r in rows)
+
+
+def test_openai_completions_chat_and_streaming(local):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{local.url}/v1", api_key="x")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    done = client.completions.create(model=MODEL, prompt="The river", max_tokens=8,
+                                     temperature=0.0)
+    assert done.usage.completion_tokens >= 1
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8,
+                                          messages=[{"role": "user", "content": "hello"}])
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.completions.create(model=MODEL, prompt="The river", max_tokens=8,
+                                            stream=True))
+    assert len(chunks) >= 2
+
+
+MALFORMED = [
+    ("bad JSON", b'{"model": "engram-tiny", "prompt": '),
+    ("unknown model", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
+    ("negative max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": -5}),
+    ("prompt over the context length", {"model": MODEL, "prompt": "river " * 3000,
+                                        "max_tokens": 4}),
+]
+
+
+@pytest.mark.parametrize("what,body", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_request_gets_openai_4xx_and_engines_stay_up(local, what, body):
+    status, error = local.post("/v1/completions", body)
+    assert 400 <= status < 500, (what, status, error)
+    assert "error" in error or "detail" in error, error
+    status, ok = local.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert status == 200, ok
+    assert all(r["healthy"] and r["generation"] == 1 for r in local.engine_rows())
+
+
+def test_every_dashboard_panel_returns_data_from_prometheus(local, tmp_path):
+    prom = Prometheus(scrape_config(ROOT / "dashboards" / "prometheus.yml",
+                                    str(local.targets_file), None, "1s"), workdir=str(tmp_path))
+    stop = threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            run_load(f"{local.url}/v1", MODEL, num_streams=8, max_tokens=8, timeout_s=60)
+
+    feeder = threading.Thread(target=traffic, daemon=True)
+    feeder.start()
+    queries = [(panel["title"], tgt["expr"].replace("$__rate_interval", "15s")
+                .replace('=~"$model"', '=~".*"').replace('=~"$engine"', '=~".*"')
+                .replace('=~"$peer_group"', '=~".*"'))
+               for model in generate.build_dashboards().values()
+               for panel in model["panels"] for tgt in panel["targets"]]
+    missing = queries
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and {t for t, _ in missing} - LOOKUP_PANELS:
+            time.sleep(2)
+            missing = [(t, q) for t, q in missing if not prom.query(q)]
+    finally:
+        stop.set()
+        feeder.join(90)
+        prom.stop()
+    assert {t for t, _ in missing} - LOOKUP_PANELS == set(), missing
+    if {t for t, _ in missing} & LOOKUP_PANELS:
+        pytest.xfail("lookup panels need the vLLM model process to report lookups")
+
+
+def test_100_concurrent_streams_without_failure(local):
+    report = run_load(f"{local.url}/v1", MODEL, num_streams=100, max_tokens=16, timeout_s=120)
+    summary = report.summary()
+    print(json.dumps(summary, indent=1))
+    assert summary["num_failed"] == 0, summary["errors"]
+    assert report.wall_s < 120
+
+
+def test_killed_engine_restarts_its_group_and_serving_resumes(local):
+    import ray
+
+    ray.init(address=local.ray_address, log_to_driver=False)
+    try:
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if "EngramLLMServer" in a["name"]]
+        assert len(replicas) == 2, replicas
+        victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+        in_flight = {}
+        loader = threading.Thread(target=lambda: in_flight.update(report=run_load(
+            f"{local.url}/v1", MODEL, num_streams=20, max_tokens=64, timeout_s=120)))
+        loader.start()
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        ray.kill(victim, no_restart=True)
+        loader.join(180)
+        recovered_s = _wait_until_serving_generation(local, 2, timeout_s=600) - killed_at
+    finally:
+        ray.shutdown()
+    failures = in_flight["report"].failures
+    print(f"recovered after {recovered_s:.0f} s; {len(failures)} of 20 in-flight streams failed:"
+          f" {sorted({f.error for f in failures})}")
+    assert all(f.error for f in failures)  # a failure says what happened
+
+
+def _wait_until_serving_generation(local, generation: int, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(3)
+        try:
+            rows = local.engine_rows()
+            status, _ = local.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                       "max_tokens": 4})
+        except (OSError, ValueError):
+            continue
+        if status == 200 and len(rows) == 2 and all(
+                r["healthy"] and r["generation"] >= generation for r in rows):
+            return time.monotonic()
+    raise AssertionError(f"not serving generation {generation} after {timeout_s} s")
+
+
+def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
+    local.proc.send_signal(signal.SIGINT)
+    assert local.proc.wait(120) == 130
+    assert "stopping: Serve, Ray" in local.err.read_text()
+    assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
+    assert not (local.workdir / "store" / "local").exists()
+    assert not local.targets_file.exists()
+    host, port = local.ray_address.rsplit(":", 1)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+    again = subprocess.run(["engram-ray", "local", "--once", "--workdir", str(local.workdir),
+                            "--port", str(local.port)], capture_output=True, text=True,
+                           timeout=STARTUP_S)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "completion of 'The river':" in again.stdout
