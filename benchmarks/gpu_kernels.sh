@@ -7,18 +7,8 @@
 #   final: the committed tile policy; tune: measure the policy first (sweep.json) and use it;
 #   quick: tune with fewer sizes and a smaller budget.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 MODE=${1:-final}
-OUT=${OUT:-/tmp/engram_out}
-mkdir -p "$OUT"
-{
-    date -u; echo "commit ${ENGRAM_COMMIT:-unknown}"; nvidia-smi; nvidia-smi topo -m
-    cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-    python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "installed"
-} > "$OUT/env.txt" 2>&1
-tail -3 "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 
 t0=$SECONDS
 timeout 330 python3 -m pytest tests/gpu/test_lookup.py -m "gpu or multi_gpu" -q -p no:cacheprovider \

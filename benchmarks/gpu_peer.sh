@@ -7,19 +7,8 @@
 #   quick: doctor + tests + the benchmark on a small layout (2M vocab, ~12 GiB per GPU)
 #   full:  doctor + tests + the benchmark on DeepSeek-V4.1-Flash at real size (~94 GiB per GPU)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 MODE=${1:-quick}
-OUT=${OUT:-/tmp/engram_out}
-mkdir -p "$OUT"
-{
-    date -u; echo "commit ${ENGRAM_COMMIT:-unknown}"; nvidia-smi; nvidia-smi topo -m
-    uname -r; cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null; id
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-    python3 -m pip show cuda-bindings cuda-python 2>/dev/null | grep -E '^(Name|Version)'
-    python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "installed"
-} > "$OUT/env.txt" 2>&1
-tail -2 "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 
 t0=$SECONDS
 timeout 120 engram-ray doctor > "$OUT/doctor.txt" 2>&1
