@@ -7,7 +7,10 @@ ours. The subclass keeps the constructor contract
 `(num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False, dp_shared_memory=False,
 use_thp=False)` and:
 
-- without `additional_config["engram_peer_group"]`, is vLLM's class unchanged;
+- without `additional_config["engram_peer_group"]`, is vLLM's class; with
+  `additional_config["engram_ray_lookup"] = true` a single-shard table (TP = 1, no DP split,
+  no DP-shared host memory) is stored packed (`[rows, row_bytes]`, HBM or pinned/THP host) and
+  looked up with engram-ray's kernel and tile policy instead of vLLM's;
 - with one, stores this engine's row slice of the table (`engram_ray.table.PeerGroupTable`,
   `rows_per_rank = ceil(rows / P)`), exposes it as the `weight` / `weight_scale_inv`
   parameters (strided views of the packed slice) so vLLM's own loader narrows the checkpoint
@@ -34,6 +37,7 @@ from engram_ray.layout import EngramLayout
 from engram_ray.models.peer_settings import ADDITIONAL_CONFIG_KEY, PeerGroupSettings
 
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+PACKED_LOOKUP_KEY = "engram_ray_lookup"
 SUPPORTED_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
 _FIELD = f"additional_config.{ADDITIONAL_CONFIG_KEY}"
 
@@ -181,6 +185,8 @@ def make_peer_embedding_class(base: type) -> type:
         """vLLM's Engram table, or this engine's slice of an engram-ray peer group."""
 
         engram_ray_patched = True
+        is_peer_table = False
+        _packed_table: torch.Tensor | None = None
 
         def __init__(self, num_embeddings: int, dim: int, head_sizes: tuple[int, ...],
                      block_size: int = 32, cpu_offload: bool = False,
@@ -189,6 +195,8 @@ def make_peer_embedding_class(base: type) -> type:
             settings = PeerGroupSettings.from_additional_config(vllm_config.additional_config)
             self.is_peer_table = settings is not None
             if settings is None:
+                self._wants_packed = bool((vllm_config.additional_config or {}).get(
+                    PACKED_LOOKUP_KEY, False))
                 super().__init__(num_embeddings, dim, head_sizes, block_size, cpu_offload,
                                  dp_shared_memory, use_thp)
                 return
@@ -222,21 +230,46 @@ def make_peer_embedding_class(base: type) -> type:
                                          "engram_vocab_start": table.slice_start})
             self.quant_method = join_hook()
 
+        def _allocate_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+            """Called by vLLM's constructor: packed storage for engram-ray's kernel (opt-in,
+            single-shard tables only), else vLLM's own."""
+            if not (getattr(self, "_wants_packed", False) and self.tp_size == 1
+                    and self.dp_size == 1 and not self.dp_shared_memory
+                    and not self.peer_rows and self.block_size == 32
+                    and torch.get_default_device().type != "meta"):
+                return super()._allocate_weights()
+            rows, dim = self.part_num_embeddings, self.dim
+            row_bytes = dim + dim // self.block_size
+            if self.cpu_offload:
+                from engram_ray.host_memory import allocate_host_table
+                packed = allocate_host_table(rows * row_bytes, use_thp=self.use_thp)
+                packed = packed.view(rows, row_bytes)
+            else:
+                packed = torch.empty(rows, row_bytes, dtype=torch.uint8)
+            self._packed_table = packed
+            # Strided views: vLLM's loader writes values and scales into the packed rows.
+            return packed[:, :dim].view(torch.float8_e4m3fn), packed[:, dim:]
+
         def collapse_huge_pages(self) -> None:
-            if self.is_peer_table:
-                return
+            if self.is_peer_table or self._packed_table is not None:
+                return  # engram_ray.host_memory prefaults huge pages itself
             super().collapse_huge_pages()
 
         def lookup(self, indices: torch.Tensor, out: torch.Tensor,
                    background: bool = False) -> None:
             """indices `[T, n_hash_cols]` (-1 = no row) -> `out` bf16 `[T, C, dim]` or packed
             uint8 rows; peers' rows are read in place by engram-ray's lookup kernel."""
-            if not self.is_peer_table:
+            if not (self.is_peer_table or self._packed_table is not None):
                 return super().lookup(indices, out, background)
             if indices.shape[0] == 0:
                 return
             kind = "bf16" if out.dtype == torch.bfloat16 else "packed"
-            rows = self.session.lookup(self.layer_id, indices.to(torch.int64), kind)
+            if self.is_peer_table:
+                rows = self.session.lookup(self.layer_id, indices.to(torch.int64), kind)
+            else:
+                from engram_ray.kernels.lookup import engram_lookup
+                rows = engram_lookup(indices, head_dim=self.dim, table=self._packed_table,
+                                     out=kind, out_device=indices.device)
             out.copy_(rows.view(out.shape))
 
         def forward(self, indices: torch.Tensor) -> torch.Tensor:
