@@ -52,6 +52,23 @@ def apply_cpu_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+def greedy_params(max_tokens: int):
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def metric_values() -> dict[str, float]:
+    """This process's vLLM gauges and counters (summed over labels) by name."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    values: dict[str, float] = {}
+    for metric in get_metrics_snapshot():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            values[metric.name] = values.get(metric.name, 0.0) + float(value)
+    return values
+
+
 class EngramEngine:
     """A synchronous vLLM engine (`vllm.LLM`) serving an Engram model."""
 
@@ -63,20 +80,12 @@ class EngramEngine:
 
     def generate(self, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
         """Greedy completions (EOS ignored, so every completion has max_tokens tokens)."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, greedy_params(max_tokens), use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
 
     def metrics(self) -> dict[str, float]:
         """vLLM's gauges and counters by name (e.g. `vllm:kv_cache_usage_perc`)."""
-        values = {}
-        for metric in self.llm.get_metrics():
-            value = getattr(metric, "value", None)
-            if isinstance(value, (int, float)):
-                values[metric.name] = float(value)
-        return values
+        return metric_values()
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -94,18 +103,53 @@ async def start_async_engine(model_dir: str, peer_group=None, **options: Any):
     return AsyncLLM.from_engine_args(engine_args)
 
 
+async def generate_async(engine, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+    """Greedy completions from an AsyncLLM, all prompts in flight at once."""
+    import asyncio
+    import uuid
+
+    params = greedy_params(max_tokens)
+
+    async def one(prompt: str) -> list[int]:
+        final = None
+        async for output in engine.generate(prompt, params, f"engram-{uuid.uuid4().hex}"):
+            final = output
+        return list(final.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+
+def _run_async(model_dir, peer_group, prompts, max_tokens, options) -> dict:
+    import asyncio
+
+    async def main():
+        engine = await start_async_engine(model_dir, peer_group, **options)
+        try:
+            completions = await generate_async(engine, prompts, max_tokens)
+            return {"completions": completions, "metrics": metric_values()}
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
 def run_engine_process(model_dir: str, peer_group: dict | None, prompts: list[str],
-                       max_tokens: int, result_path: str, options: dict | None = None) -> None:
-    """Process entry (multiprocessing spawn / subprocess): start an engine, answer `prompts`,
-    write JSON {"completions", "metrics"} to `result_path`. `options`: engine overrides."""
+                       max_tokens: int, result_path: str, options: dict | None = None,
+                       use_async: bool = False) -> None:
+    """Process entry (multiprocessing spawn / subprocess): start an engine (`EngramEngine`,
+    or AsyncLLM if `use_async`), answer `prompts`, write JSON {"completions", "metrics"} to
+    `result_path`. `options`: engine overrides."""
     import json
 
     apply_cpu_defaults()
-    engine = EngramEngine(model_dir, peer_group, **(options or {}))
-    try:
-        completions = engine.generate(prompts, max_tokens)
-        result = {"completions": completions, "metrics": engine.metrics()}
-    finally:
-        engine.close()
+    if use_async:
+        result = _run_async(model_dir, peer_group, prompts, max_tokens, options or {})
+    else:
+        engine = EngramEngine(model_dir, peer_group, **(options or {}))
+        try:
+            result = {"completions": engine.generate(prompts, max_tokens),
+                      "metrics": engine.metrics()}
+        finally:
+            engine.close()
     with open(result_path, "w") as f:
         json.dump(result, f)
