@@ -18,7 +18,7 @@ use_thp=False)` and:
   `process_weights_after_loading` hook), and looks up with engram-ray's kernel reading peers'
   rows in place. vLLM's DP split of the table is off (`dp_size = 1`: each engine hashes and
   looks up its own tokens, the model then skips its DP gathers), so engines of several DEP
-  deployments can form one group.
+  deployments can form one group: DP rank d of a deployment is member `rank + d`.
 
 Refused with a peer group: architectures other than DeepseekV41ForCausalLM (Qwen4Exp is
 excluded for now), tensor or pipeline parallel size > 1, `cpu_offload=true`, a cross-node
@@ -192,7 +192,7 @@ def make_peer_embedding_class(base: type) -> type:
                      block_size: int = 32, cpu_offload: bool = False,
                      dp_shared_memory: bool = False, use_thp: bool = False) -> None:
             vllm_config = get_current_vllm_config()
-            settings = PeerGroupSettings.from_additional_config(vllm_config.additional_config)
+            settings = PeerGroupSettings.for_engine(vllm_config)
             self.is_peer_table = settings is not None
             if settings is None:
                 self._wants_packed = bool((vllm_config.additional_config or {}).get(

@@ -84,7 +84,7 @@ class GroupTables:
 
 def open_model_tables(layout: EngramLayout, vllm_config) -> HostTables | GroupTables:
     """Tables for the model being built in this vLLM worker (see module doc)."""
-    settings = PeerGroupSettings.from_additional_config(vllm_config.additional_config)
+    settings = PeerGroupSettings.for_engine(vllm_config)
     device = "cpu" if vllm_config.device_config.device.type == "cpu" else "cuda"
     if settings is None:
         return HostTables(layout, device)

@@ -4,14 +4,16 @@
                                                "generation": G}}
 
 (the upstream proposal's `peer_group_size` / `peer_group_store`, plus this engine's rank and the
-coordinator's generation id). Optional keys: `timeout_s` (rendezvous wait), `backend`
+coordinator's generation id). In a data-parallel deployment (DP > 1, e.g. DEP) every DP rank is
+one member: `rank` is the member of DP rank 0 and DP rank d is member `rank + d`
+(`for_dp_rank`); `size` counts every DP rank of every deployment in the group. Optional keys: `timeout_s` (rendezvous wait), `backend`
 ("shm" on CPU, "cuda" on GPUs), `cross_node` (the group spans hosts) and `handle_type`
 ("fabric" or "posix_fd": how slices are exported; a cross-node group needs "fabric").
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from engram_ray.errors import ConfigError
 
@@ -56,8 +58,29 @@ class PeerGroupSettings:
         return PeerGroupSpec(size=self.size, rank=self.rank, store_dir=self.store,
                              generation=str(self.generation), timeout_s=self.timeout_s)
 
+    def for_dp_rank(self, dp_rank: int, dp_size: int) -> "PeerGroupSettings":
+        """Settings of the engine of DP rank `dp_rank` (member `rank + dp_rank`)."""
+        if dp_size <= 1:
+            return self
+        if self.rank + dp_size > self.size:
+            raise ConfigError(
+                f"additional_config.{ADDITIONAL_CONFIG_KEY}.rank",
+                f"is {self.rank} for a deployment of data_parallel_size {dp_size} in a group of "
+                f"{self.size}", f"rank + data_parallel_size <= size (DP rank d is member "
+                "rank + d)")
+        return replace(self, rank=self.rank + dp_rank)
+
     def to_additional_config(self) -> dict:
         return {ADDITIONAL_CONFIG_KEY: {k: v for k, v in asdict(self).items() if v is not None}}
+
+    @classmethod
+    def for_engine(cls, vllm_config) -> "PeerGroupSettings | None":
+        """This engine's settings from its VllmConfig (additional_config + DP rank)."""
+        settings = cls.from_additional_config(vllm_config.additional_config)
+        if settings is None:
+            return None
+        parallel = vllm_config.parallel_config
+        return settings.for_dp_rank(parallel.data_parallel_rank, parallel.data_parallel_size)
 
     @classmethod
     def from_additional_config(cls, additional_config) -> "PeerGroupSettings | None":

@@ -50,14 +50,16 @@ def _release_slices():
     close_sessions()
 
 
-def _vllm_config(architecture="DeepseekV41ForCausalLM", tp=1, pp=1, additional=None):
+def _vllm_config(architecture="DeepseekV41ForCausalLM", tp=1, pp=1, additional=None,
+                 dp=1, dp_rank=0):
     from types import SimpleNamespace
 
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
 
-    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp,
-                                                       pipeline_parallel_size=pp),
+    config = VllmConfig(parallel_config=ParallelConfig(
+                            tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            data_parallel_size=dp, data_parallel_rank=dp_rank),
                         additional_config=additional or {})
     hf_config = DeepseekV41Config(text_config=ENGRAM_FIELDS, architectures=[architecture])
     # ModelConfig would resolve a checkpoint; the table reads only these fields.
@@ -158,6 +160,22 @@ def test_peer_slice_is_this_ranks_rows(engram_module, tmp_path):
     values = values[:, None].expand(rows, layout.head_dim).contiguous()
     table.weight.weight_loader(table.weight, values.view(torch.float8_e4m3fn))
     assert torch.equal(table.weight.data.view(torch.uint8), values[per_rank:])
+
+
+def test_dp_ranks_of_a_dep_deployment_are_consecutive_members(engram_module, tmp_path):
+    """A DEP deployment (DP = 2) joined at member 1 of a group of 3: its DP rank 1 is member 2,
+    and vLLM's own DP split of the table is off."""
+    module, _ = engram_module
+    layout = _layout()
+    config = _vllm_config(additional=_peer(tmp_path, size=3, rank=1), dp=2, dp_rank=1)
+    table = _build(module, config, layout, 0)
+    rows = layout.rows_per_table[0]
+    per_rank = -(-rows // 3)
+    assert table.dp_size == 1 and table.part_n_hash_cols == layout.num_cols
+    assert table.weight.engram_vocab_start == 2 * per_rank
+    assert table.weight.shape[0] == rows - 2 * per_rank
+    with pytest.raises(ConfigError, match="rank \\+ data_parallel_size <= size"):
+        _build(module, _vllm_config(additional=_peer(tmp_path, size=3, rank=2), dp=2), layout, 1)
 
 
 def test_without_peer_group_the_class_is_vllms(engram_module):
