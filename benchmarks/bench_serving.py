@@ -119,7 +119,7 @@ def main() -> None:
                   "startup_s": round(startup_s, 1), "load": report.summary()}
         log(f"load: {json.dumps(result['load'])}")
         if args.kill:
-            result["kill"] = kill_one_engine(deployment, 20, 64)
+            result["kill"] = kill_one_engine(deployment, 20, 300)
             log(f"kill: {json.dumps(result['kill'])}")
         log(f"wrote {write_results(result)}")
     finally:

@@ -132,7 +132,7 @@ class LocalDeployment:
     def _state_text(self, app=None) -> str:
         if app is None:
             return "waiting for the application"
-        parts = [f"app {app.status}"]
+        parts = [f"app {getattr(app.status, 'value', app.status)}"]
         for name, dep in app.deployments.items():
             running = dep.replica_states.get("RUNNING", 0)
             total = sum(dep.replica_states.values())

@@ -196,7 +196,7 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
         victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
         in_flight = {}
         loader = threading.Thread(target=lambda: in_flight.update(report=run_load(
-            f"{local.url}/v1", MODEL, num_streams=20, max_tokens=64, timeout_s=120)))
+            f"{local.url}/v1", MODEL, num_streams=20, max_tokens=300, timeout_s=120)))
         loader.start()
         time.sleep(1.0)
         killed_at = time.monotonic()

@@ -1,0 +1,93 @@
+"""The Serve app's parts without vLLM: the LLMConfig the builders get, and the GroupRegistry's
+rank/generation protocol on a real local Ray (engines stood in by plain actors that can die)."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engram_ray.serve import engine_kwargs, llm_config
+from engram_ray.serving.cluster_configs import load_serve_config
+from engram_ray.serving.server import APP_CONFIG_KEY, EngramDPServer, EngramLLMServer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+
+
+def app_config(name: str):
+    return next(iter(load_serve_config(CONFIGS / name).values()))
+
+
+def test_local_llm_config_is_two_cpu_engine_replicas():
+    app = app_config("serve_local_tiny.yaml")
+    config = llm_config(app)
+    assert config.server_cls is EngramLLMServer
+    assert config.deployment_config["num_replicas"] == 2
+    assert config.placement_group_config == {"bundles": [{"CPU": 1.0}]}
+    assert config.log_engine_metrics is False  # vllm:* go to the engine's own /metrics
+    kwargs = config.engine_kwargs
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (1, 1)
+    assert kwargs["enable_prefix_caching"] is False and kwargs["max_model_len"] == 512
+    assert config.experimental_configs[APP_CONFIG_KEY] == app.to_dict()
+
+
+def test_deepseek_llm_config_is_dep2_on_gpus():
+    app = app_config("serve_deepseek_v41_flash.yaml")
+    config = llm_config(app)
+    assert config.server_cls is EngramDPServer
+    assert config.placement_group_config == {"bundles": [{"GPU": 1.0, "CPU": 8.0}]}
+    kwargs = engine_kwargs(app)
+    assert (kwargs["data_parallel_size"], kwargs["enable_expert_parallel"]) == (2, True)
+    assert kwargs["gpu_memory_utilization"] == 0.92
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_registry_hands_out_ranks_and_restarts_a_group_when_a_member_dies(ray_local, tmp_path):
+    ray = ray_local
+    from engram_ray.serving.groups import get_registry
+
+    app = app_config("serve_local_tiny.yaml")
+    raw = app.to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="t",
+                             health_check_interval_s=0.2)
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
+    registry = get_registry(raw, "t")
+
+    @ray.remote(num_cpus=0)
+    class Member:
+        def ping(self):
+            return True
+
+    members = [Member.remote() for _ in range(3)]
+    first = [ray.get(registry.join.remote(f"m{i}", members[i])) for i in range(2)]
+    assert [a["rank"] for a in first] == [0, 1]
+    assert {a["generation"] for a in first} == {first[0]["generation"]}
+    assert Path(first[0]["store"]).is_dir() and first[0]["backend"] == "shm"
+    with pytest.raises(ray.exceptions.RayTaskError, match="found no free rank"):
+        ray.get(registry.join.remote("m2", members[2]))
+    ray.get(registry.register_target.remote("m0", "127.0.0.1:1"))
+    ray.get(registry.register_target.remote("m1", "127.0.0.1:2"))
+
+    ray.kill(members[0])
+    deadline = time.monotonic() + 30
+    while ray.get(registry.is_current.remote("m1"))[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    is_current, reason = ray.get(registry.is_current.remote("m1"))
+    assert not is_current and "moved to generation 2 (m0 died)" in reason
+    assert not Path(first[0]["store"]).exists()  # the old generation's store is removed
+    assert json.loads((tmp_path / "targets.json").read_text()) == []
+    second = [ray.get(registry.join.remote(f"n{i}", members[i + 1])) for i in range(2)]
+    assert [a["rank"] for a in second] == [0, 1]
+    assert {a["generation_index"] for a in second} == {2}
+    status = ray.get(registry.status.remote())["group-0"]
+    assert status["history"] == [(1, "m0 died")]
+    ray.kill(registry)
