@@ -120,6 +120,10 @@ class GroupSession:
             raise
         self.group = PeerGroupTables(self.layout, spec, self.memory, tables,
                                      time.perf_counter() - start)
+        if self.memory.name != "shm":
+            # Peer base addresses go to the device now, not inside a CUDA-graph capture.
+            for table in tables.values():
+                table.peer_bases  # noqa: B018 (a property that uploads and caches)
 
     def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str) -> torch.Tensor:
         if self.group is None:
