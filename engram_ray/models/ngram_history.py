@@ -54,13 +54,12 @@ class NgramHistory:
             return context
         slots = metadata.slot_mapping[:num_tokens].to(torch.int64)
         block_table = metadata.block_table.to(torch.int64)
-        self._ensure(self.block_size * (int(block_table.max()) + 1))
-        self.slots[slots] = compressed[:num_tokens]
-        token_idx = torch.arange(num_tokens)
         query_ends = metadata.query_start_loc[1:].to(torch.int64)
-        request_idx = torch.searchsorted(query_ends, token_idx, right=True)
+        request_idx = torch.searchsorted(query_ends, torch.arange(num_tokens), right=True)
         pos = positions[:num_tokens].to(torch.int64)
         self._check_slots(block_table, request_idx, pos, slots)
+        self._ensure(self.block_size * (int(block_table.max()) + 1))
+        self.slots[slots] = compressed[:num_tokens]
         for back in range(1, self.max_ngram_size):
             q = pos - back
             safe_q = q.clamp(min=0)
@@ -71,11 +70,13 @@ class NgramHistory:
 
     def _check_slots(self, block_table, request_idx, pos, slots) -> None:
         """The block-table arithmetic must reproduce vLLM's own slot of every current token."""
-        block = block_table[request_idx, pos // self.block_size]
-        derived = block * self.block_size + pos % self.block_size
-        if not torch.equal(derived, slots):
-            raise RuntimeError(
-                f"n-gram history: slots from the block table (block size {self.block_size}) "
-                "differ from vLLM's slot_mapping; expected the attention backend's block table "
-                "to use the cache block size (run with the CPU attention backend, "
-                "enable_prefix_caching=False)")
+        block_idx = pos // self.block_size
+        if int(block_idx.max()) < block_table.shape[1]:
+            block = block_table[request_idx, block_idx]
+            if torch.equal(block * self.block_size + pos % self.block_size, slots):
+                return
+        raise RuntimeError(
+            f"n-gram history: slots from the block table (block size {self.block_size}) "
+            "differ from vLLM's slot_mapping; expected the attention backend's block table "
+            "to use the cache block size (run with the CPU attention backend, "
+            "enable_prefix_caching=False)")

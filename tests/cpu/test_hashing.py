@@ -215,3 +215,48 @@ def test_matches_vllm_hashing(tmp_path):
                                       for i in range(layout.num_layers)]
         expected = _expected_hashes(layout, token_map, sequences, chunks, batch["pad_id"])
         assert torch.equal(out["hashes"].to(torch.int64), expected), name
+
+
+def _scheduled_step(block_size, block_tables, steps):
+    """Attention metadata of one vLLM step: `steps` = [(request, start, end)] scheduled."""
+    from types import SimpleNamespace
+    max_blocks = max(len(blocks) for blocks in block_tables)
+    table = torch.tensor([blocks + [0] * (max_blocks - len(blocks)) for blocks in block_tables])
+    positions, slots, query_start_loc = [], [], [0]
+    for request, start, end in steps:
+        for pos in range(start, end):
+            positions.append(pos)
+            slots.append(block_tables[request][pos // block_size] * block_size + pos % block_size)
+        query_start_loc.append(query_start_loc[-1] + end - start)
+    metadata = SimpleNamespace(
+        num_actual_tokens=len(positions), slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        block_table=table[[request for request, _, _ in steps]])
+    return torch.tensor(positions), metadata
+
+
+def test_ngram_history_across_chunks_and_decode_steps():
+    """Two requests, block size 4, scheduled as chunked prefill then single-token decode
+    steps in one flattened batch: every token's context equals the whole sequence's."""
+    from engram_ray.models.ngram_history import NgramHistory
+    gen = torch.Generator().manual_seed(5)
+    token_map = torch.randint(0, 50, (100,), generator=gen)
+    sequences = [torch.randint(3, 100, (13,), generator=gen),
+                 torch.randint(3, 100, (9,), generator=gen)]
+    block_tables = [[7, 2, 9, 4], [5, 0, 8]]   # physical blocks, deliberately out of order
+    history = NgramHistory(token_map, max_ngram_size=4, pad_id=1, block_size=4)
+    schedule = [[(0, 0, 6), (1, 0, 3)], [(0, 6, 10), (1, 3, 7)], [(0, 10, 11), (1, 7, 8)],
+                [(0, 11, 12), (1, 8, 9)], [(0, 12, 13)]]
+    for steps in schedule:
+        positions, metadata = _scheduled_step(4, block_tables, steps)
+        input_ids = torch.cat([sequences[r][s:e] for r, s, e in steps])
+        got = history.contexts(input_ids, positions, metadata)
+        expected = torch.cat([ngram_context(token_map[sequences[r]], 4, 1)[s:e]
+                              for r, s, e in steps])
+        assert torch.equal(got, expected), steps
+    # A wrong block size cannot reproduce vLLM's slot mapping: refused, not silently wrong.
+    wrong = NgramHistory(token_map, max_ngram_size=4, pad_id=1, block_size=2)
+    positions, metadata = _scheduled_step(4, block_tables, schedule[1])
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        wrong.contexts(torch.cat([sequences[r][s:e] for r, s, e in schedule[1]]), positions,
+                       metadata)
