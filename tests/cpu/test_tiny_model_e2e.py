@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
+from engram_ray.cli import main as cli_main
+from engram_ray.layout import load_layout
 from engram_ray.models.tiny_checkpoint import WEIGHTS_FILE, write_tiny_model
-
-pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 # Small batches force chunked prefill: the long prompt's n-grams cross chunk boundaries.
@@ -82,6 +82,33 @@ def _group(model_dir, size, work, name, async_ranks=()):
             for rank in range(size)]
 
 
+def test_make_tiny_model_writes_a_small_deterministic_checkpoint(tmp_path, capsys):
+    """`engram-ray make-tiny-model DIR` (fast: no vLLM)."""
+    from safetensors import safe_open
+    assert cli_main(["make-tiny-model", str(tmp_path / "a")]) == 0
+    assert "EngramTinyForCausalLM" in capsys.readouterr().out
+    write_tiny_model(tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == ["config.json", "generation_config.json", WEIGHTS_FILE, "tokenizer.json",
+                     "tokenizer_config.json"]
+    for name in names:   # same seed, same bytes (tokenizer training included)
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert sum(p.stat().st_size for p in (tmp_path / "a").iterdir()) < 8 << 20
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["architectures"] == ["EngramTinyForCausalLM"]
+    layout = load_layout(str(tmp_path / "a"))
+    with safe_open(str(tmp_path / "a" / WEIGHTS_FILE), framework="pt") as f:
+        for layer_id, rows in zip(layout.layer_ids, layout.rows_per_table):
+            prefix = f"model.layers.{layer_id}.engram.embed"
+            values, scales = f.get_tensor(f"{prefix}.weight"), f.get_tensor(
+                f"{prefix}.weight_scale_inv")
+            assert values.dtype == torch.float8_e4m3fn
+            assert values.shape == (rows, layout.head_dim)
+            assert scales.dtype == torch.float8_e8m0fnu
+            assert scales.shape == (rows, layout.head_dim // 32)
+
+
+@pytest.mark.slow
 def test_whole_and_split_tables_give_identical_completions(model_dirs, tmp_path):
     model, control = model_dirs
     first = [_start(model, None, tmp_path / "whole.json", tmp_path / "whole.log"),
