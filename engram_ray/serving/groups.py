@@ -34,7 +34,8 @@ class _Generation:
     index: int
     generation: str
     store_dir: str
-    members: dict = field(default_factory=dict)   # rank -> (replica_id, actor handle)
+    members: dict = field(default_factory=dict)   # member rank -> (replica_id, actor handle)
+    gangs: dict = field(default_factory=dict)     # gang id -> (base rank, dp_size)
     ready: set = field(default_factory=set)        # ranks whose engine started
     started_at: float = field(default_factory=time.time)
 
@@ -66,30 +67,47 @@ class GroupRegistry:
         threading.Thread(target=self._watch, daemon=True, name="engram-group-watch").start()
 
     # --- ranks ---------------------------------------------------------------------------
-    def join(self, replica_id: str, handle, domain: str | None = None) -> dict:
-        """Claim a rank for `replica_id`; the assignment as a dict (PeerGroupSettings keys)."""
+    def join(self, replica_id: str, handle, domain: str | None = None,
+             gang_id: str | None = None, dp_rank: int = 0, dp_size: int = 1) -> dict:
+        """Claim a member rank for `replica_id`; the assignment as a dict.
+
+        A data-parallel gang (Ray Serve LLM `DPServer`: `gang_id`, `dp_rank`, `dp_size`)
+        takes a block of `dp_size` consecutive ranks starting at a multiple of `dp_size`; its
+        DP rank d is member `base + d`, the plugin's convention (`rank` in
+        `engram_peer_group` is the base). A replica outside a gang is a gang of one."""
+        gang_id = gang_id or replica_id
         with self._lock:
             for group in self.groups.values():
                 if group.domain not in (None, domain):
                     continue
                 gen = group.current or self._new_generation_locked(group, "first start")
-                free = [r for r in range(self.config.deployment.peer_group_size)
-                        if r not in gen.members]
-                if free:
+                base = self._block_locked(gen, gang_id, dp_size)
+                if base is not None:
                     group.domain = domain
-                    gen.members[free[0]] = (replica_id, handle)
-                    return self._assignment(group, gen, free[0])
+                    gen.members[base + dp_rank] = (replica_id, handle)
+                    return self._assignment(group, gen, base, base + dp_rank)
         raise NoFreeSlotError(
             f"replica {replica_id} found no free rank: {self.config.num_replicas} ranks in "
             f"{len(self.groups)} peer group(s) of {self.config.deployment.peer_group_size}, all "
             f"taken (domain {domain!r}); lower the replica count or raise num_peer_groups")
 
-    def _assignment(self, group: _Group, gen: _Generation, rank: int) -> dict:
+    def _block_locked(self, gen: "_Generation", gang_id: str, dp_size: int) -> int | None:
+        if gang_id in gen.gangs:
+            return gen.gangs[gang_id][0]
+        taken = {base + i for base, size in gen.gangs.values() for i in range(size)}
+        size = self.config.deployment.peer_group_size
+        for base in range(0, size - dp_size + 1, dp_size):
+            if not taken & set(range(base, base + dp_size)):
+                gen.gangs[gang_id] = (base, dp_size)
+                return base
+        return None
+
+    def _assignment(self, group: _Group, gen: _Generation, base: int, member: int) -> dict:
         dep = self.config.deployment
-        return {"group_id": group.group_id, "rank": rank, "size": dep.peer_group_size,
-                "generation": gen.generation, "generation_index": gen.index,
-                "store": gen.store_dir, "timeout_s": dep.rendezvous_timeout_s,
-                "backend": dep.table_backend}
+        return {"group_id": group.group_id, "rank": base, "member_rank": member,
+                "size": dep.peer_group_size, "generation": gen.generation,
+                "generation_index": gen.index, "store": gen.store_dir,
+                "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend}
 
     def _new_generation_locked(self, group: _Group, reason: str) -> _Generation:
         dep = self.config.deployment

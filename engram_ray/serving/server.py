@@ -101,13 +101,16 @@ class EngramServerMixin:
         labels = ray.get_runtime_context().get_node_labels() or {}
         me = ray.get_runtime_context().current_actor
         joined_at = time.perf_counter()
+        # DPServer sets gang_id, dp_rank and dp_size before start(); LLMServer has none.
+        gang = {"gang_id": getattr(self, "gang_id", None),
+                "dp_rank": getattr(self, "dp_rank", 0), "dp_size": getattr(self, "dp_size", 1)}
         self._assignment = a = await self._registry.join.remote(
-            self._replica_id, me, labels.get(dep.domain_label_key))
+            self._replica_id, me, labels.get(dep.domain_label_key), **gang)
         self._llm_config.engine_kwargs.setdefault("additional_config", {})[
             "engram_peer_group"] = {k: a[k] for k in ("size", "store", "rank", "generation",
                                                       "timeout_s", "backend")}
-        identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['rank']}",
-                                  a["group_id"], a["rank"])
+        identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['member_rank']}",
+                                  a["group_id"], a["member_rank"])
         self._model_target_file = os.path.join(
             tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
         self._llm_config.engine_kwargs["additional_config"][PROCESS_METRICS_KEY] = {

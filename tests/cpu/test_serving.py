@@ -91,3 +91,28 @@ def test_registry_hands_out_ranks_and_restarts_a_group_when_a_member_dies(ray_lo
     status = ray.get(registry.status.remote())["group-0"]
     assert status["history"] == [(1, "m0 died")]
     ray.kill(registry)
+
+
+def test_registry_gives_data_parallel_gangs_aligned_blocks(ray_local, tmp_path):
+    """DEP2 in a group of 8: a gang's DP rank d is member base + d (the plugin's convention)."""
+    ray = ray_local
+    from engram_ray.serving.groups import get_registry
+
+    raw = app_config("serve_deepseek_v41_flash.yaml").to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="dep2")
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
+    registry = get_registry(raw, "dep2")
+    me = registry  # any live actor handle stands in for a replica here
+
+    def join(replica, gang, dp_rank):
+        return ray.get(registry.join.remote(replica, me, "rack-0", gang_id=gang,
+                                            dp_rank=dp_rank, dp_size=2))
+
+    got = [join("a1", "gang-a", 1), join("b0", "gang-b", 0), join("a0", "gang-a", 0),
+           join("b1", "gang-b", 1)]
+    assert [(a["rank"], a["member_rank"]) for a in got] == [(0, 1), (2, 2), (0, 0), (2, 3)]
+    assert {a["group_id"] for a in got} == {"group-0"} and got[0]["size"] == 8
+    other_rack = ray.get(registry.join.remote("c0", me, "rack-1", gang_id="gang-c",
+                                              dp_rank=0, dp_size=2))
+    assert other_rack["group_id"] == "group-1"  # a group never spans two NVLink domains
+    ray.kill(registry)
