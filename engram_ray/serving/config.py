@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
 from engram_ray.config import _field, _Section
 from engram_ray.errors import ConfigError
-from engram_ray.metrics import DEFAULT_BIND_ADDRESS
+from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"

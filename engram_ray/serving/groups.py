@@ -22,7 +22,7 @@ import ray
 from engram_ray.assignment import (create_store_dir, generation_id, generation_store_dir,
                                    remove_store_dir)
 from engram_ray.errors import EngramRayError
-from engram_ray.metrics import write_file_sd
+from engram_ray.serving.exposition import write_file_sd
 
 
 class NoFreeSlotError(EngramRayError):

@@ -21,8 +21,8 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPServer
 
 from engram_ray.errors import EngramRayError
-from engram_ray.metrics import (PROCESS_METRICS_KEY, EngineIdentity, EngineMetrics,
-                                MetricsServer)
+from engram_ray.metrics import EngineIdentity, EngineMetrics
+from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
 
 APP_CONFIG_KEY = "engram_app"
 
@@ -143,7 +143,7 @@ class EngramServerMixin:
 
     async def _register_model_process_target(self) -> None:
         """The model process's lookup metrics endpoint, if it started one
-        (`engram_ray.metrics.start_process_metrics`)."""
+        (`engram_ray.serving.exposition.start_process_metrics`)."""
         if os.path.exists(self._model_target_file):
             with open(self._model_target_file) as f:
                 target = json.load(f)["target"]

@@ -14,8 +14,8 @@ import torch
 
 from engram_ray.layout import EngramLayout
 from engram_ray.hashing import hash_ngrams
-from engram_ray.metrics import (EngineIdentity, EngineMetrics, MetricsServer, metered_lookup,
-                                set_from_tables, write_file_sd)
+from engram_ray.metrics import EngineIdentity, EngineMetrics, metered_lookup, set_from_tables
+from engram_ray.serving.exposition import MetricsServer, write_file_sd
 from engram_ray.plan import make_plan
 from engram_ray.serving.prometheus import Prometheus, scrape_config
 from engram_ray.table import PeerGroupSpec, open_group_tables

@@ -33,7 +33,7 @@ import generate  # noqa: E402
 MODEL = "engram-tiny"
 STARTUP_S = 900
 # Lookup latency and remote rows are measured where the lookups run, in vLLM's model process;
-# until the plugin feeds engram_ray.metrics there, those panels have no data (strict xfail).
+# until the plugin calls engram_ray.serving.exposition.start_process_metrics there, those panels have no data (strict xfail).
 LOOKUP_PANELS = {"Lookup latency p50/p95/p99 (local and remote rows)", "Rows read from peers"}
 
 

@@ -9,8 +9,8 @@ from prometheus_client import REGISTRY, Gauge
 
 from engram_ray.errors import ConfigError
 from engram_ray.layout import load_layout
-from engram_ray.metrics import (EngineIdentity, EngineMetrics, MetricsServer,
-                                count_remote_rows, write_file_sd)
+from engram_ray.metrics import EngineIdentity, EngineMetrics, count_remote_rows
+from engram_ray.serving.exposition import MetricsServer, write_file_sd
 from engram_ray.plan import make_plan, owner_of
 
 IDENTITY = EngineIdentity("deepseek-v4.1-flash", "engine-0", "group-0", 3)
@@ -110,7 +110,7 @@ def test_file_sd_list(tmp_path):
 
 
 def test_model_process_metrics_endpoint_is_announced_in_its_target_file(tmp_path):
-    from engram_ray.metrics import start_process_metrics
+    from engram_ray.serving.exposition import start_process_metrics
 
     assert start_process_metrics({"engram_peer_group": {}}) is None
     target_file = tmp_path / "t" / "replica.json"
