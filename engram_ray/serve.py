@@ -4,9 +4,10 @@
 
 An OpenAI-compatible API (completions, chat completions, streaming) over every engine of the
 deployment, built with Ray Serve LLM: its ingress (`OpenAiIngress`, routing across replicas)
-and builders (`build_openai_app`, or `build_dp_openai_app` for data-parallel gangs), with the
-replica class swapped through `LLMConfig.server_cls` for an engram-ray engine
-(`engram_ray.serving.server`): rank in a peer group, table settings for vLLM, metrics.
+and builders (`build_openai_app`; for data-parallel gangs `build_dp_deployment` behind the same
+ingress), with the replica class swapped for an engram-ray engine (`LLMConfig.server_cls`,
+`deployment_cls`; `engram_ray.serving.server`): rank in a peer group, table settings for vLLM,
+metrics.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def llm_config(app: ServeAppConfig):
         "max_ongoing_requests": 256,
         "ray_actor_options": {"num_cpus": 0},  # its CPUs are in the bundle
     }
-    if not is_dp:  # DPServer sizes itself: one replica per data-parallel rank
-        deployment_config["num_replicas"] = app.num_replicas
+    # For DPServer num_replicas counts gangs; it multiplies by data_parallel_size itself.
+    deployment_config["num_replicas"] = app.num_replicas // srv.data_parallel_size
     return LLMConfig(
         model_loading_config={"model_id": srv.model_id, "model_source": srv.model_source},
         engine_kwargs=engine_kwargs(app),
@@ -58,13 +59,41 @@ def llm_config(app: ServeAppConfig):
     )
 
 
+INGRESS_OPTIONS = {"ray_actor_options": {"num_cpus": 0}}  # the engines take every CPU
+
+
 def build_app(args: dict):
     """Serve application from the YAML `args` ({deployment: ..., serving: ...})."""
-    from ray.serve.llm import build_dp_openai_app, build_openai_app
+    from ray.serve.llm import build_openai_app
 
     app = ServeAppConfig.from_dict(args, "build_app args")
-    ingress = {"ray_actor_options": {"num_cpus": 0}}
     config = llm_config(app)
     if app.serving.data_parallel_size > 1:
-        return build_dp_openai_app({"llm_config": config, "ingress_deployment_config": ingress})
-    return build_openai_app({"llm_configs": [config], "ingress_deployment_config": ingress})
+        return _build_dp_app(config)
+    return build_openai_app({"llm_configs": [config], "ingress_deployment_config":
+                             INGRESS_OPTIONS})
+
+
+def _build_dp_app(config):
+    """Ray Serve LLM's data-parallel app with `EngramDPServer` replicas.
+
+    Written here because `build_dp_openai_app` always uses `DPServer` (it ignores
+    `server_cls`); this assembles the same parts: `build_dp_deployment(deployment_cls=...)`
+    behind the OpenAI ingress."""
+    from ray import serve
+    from ray.llm._internal.common.dict_utils import deep_merge_dicts
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.builder import IngressClsConfig
+    from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+    from ray.serve.llm import build_dp_deployment
+
+    from engram_ray.serving.server import EngramDPServer
+
+    engines = build_dp_deployment(config, deployment_cls=EngramDPServer)
+    ingress = IngressClsConfig()
+    options = deep_merge_dicts(ingress.ingress_cls.get_deployment_options([config]),
+                               INGRESS_OPTIONS)
+    return serve.deployment(make_fastapi_ingress(ingress.ingress_cls), **options).bind(
+        llm_deployments={config.model_id: engines},
+        model_cards={config.model_id: to_model_metadata(config.model_id, config)},
+        lora_paths={}, **ingress.ingress_extra_kwargs)

@@ -36,6 +36,7 @@ def test_deepseek_llm_config_is_dep2_on_gpus():
     config = llm_config(app)
     assert config.server_cls is EngramDPServer
     assert config.placement_group_config == {"bundles": [{"GPU": 1.0, "CPU": 8.0}]}
+    assert config.deployment_config["num_replicas"] == 36  # DEP2 gangs: 9 groups x 4
     kwargs = engine_kwargs(app)
     assert (kwargs["data_parallel_size"], kwargs["enable_expert_parallel"]) == (2, True)
     assert kwargs["gpu_memory_utilization"] == 0.92
@@ -116,3 +117,20 @@ def test_registry_gives_data_parallel_gangs_aligned_blocks(ray_local, tmp_path):
                                               dp_rank=0, dp_size=2))
     assert other_rack["group_id"] == "group-1"  # a group never spans two NVLink domains
     ray.kill(registry)
+
+
+@pytest.mark.parametrize("name,engine,num_replicas,gang_size", [
+    ("serve_local_tiny.yaml", "EngramLLMServer:engram-tiny", 2, None),
+    ("serve_deepseek_v41_flash.yaml", "EngramDPServer:deepseek-v4_1-flash", 72, 2)])
+def test_build_app_puts_engram_engines_behind_the_openai_ingress(ray_local, name, engine,
+                                                                  num_replicas, gang_size):
+    from engram_ray.serve import build_app
+    from engram_ray.serving.cluster_configs import read_yaml
+
+    app = build_app(read_yaml(CONFIGS / name)["applications"][0]["args"])
+    ingress = app._bound_deployment
+    assert ingress.name == "OpenAiIngress" and ingress.ray_actor_options["num_cpus"] == 0
+    engines = next(iter(ingress.init_kwargs["llm_deployments"].values()))._bound_deployment
+    assert (engines.name, engines.num_replicas) == (engine, num_replicas)  # 72 GPUs for DEP2
+    gang = engines._deployment_config.gang_scheduling_config
+    assert (gang.gang_size if gang else None) == gang_size
