@@ -9,7 +9,6 @@ for it, same code otherwise. About 15 s (importing the module takes ~8 s).
 
 import importlib
 import inspect
-import sys
 import uuid
 from importlib.metadata import entry_points
 
@@ -31,16 +30,14 @@ ENGRAM_FIELDS = dict(engram_layer_ids=[1, 3], engram_vocab_size=500, engram_max_
 
 @pytest.fixture(scope="module")
 def engram_module():
-    """The real module, patched by the plugin (through the post-import hook when the module
-    was not imported yet, which is the case vLLM processes meet)."""
-    was_imported = ENGRAM_MODULE in sys.modules
-    original = None
-    if was_imported:
-        original = sys.modules[ENGRAM_MODULE].ParallelEngramEmbedding
+    """The real module, patched by the plugin: through the post-import hook when the module
+    was not imported yet (what vLLM processes meet), at once otherwise (vLLM may have loaded
+    the plugin, and so patched the module, in this process already)."""
     install_deepseek_patch()
     module = importlib.import_module(ENGRAM_MODULE)
-    if original is None:
-        original = module.ParallelEngramEmbedding.__mro__[1]
+    original = next(c for c in module.ParallelEngramEmbedding.__mro__
+                    if "engram_ray_patched" not in vars(c))
+    assert original.__module__ == ENGRAM_MODULE
     return module, original
 
 
