@@ -4,8 +4,8 @@ Both write in chunks, so host memory stays bounded at one chunk whatever the sli
 report progress on stderr for slices of `PROGRESS_MIN_BYTES` or more.
 
 Checkpoint tensors of a table (safetensors, one file or a folder of shards):
-`<prefix>.weight` FP8 e4m3 `[rows, head_dim]` and `<prefix>.weight_scale_inv` ue8m0
-`[rows, head_dim // 32]` (float8_e8m0fnu or uint8; raw bytes either way), where the prefix ends
+`<prefix>.weight` FP8 e4m3 `[rows, head_dim]` and `<prefix>.scale` (DeepSeek's name) or
+`<prefix>.weight_scale_inv` (vLLM's) ue8m0 `[rows, head_dim // 32]` (float8_e8m0fnu or uint8; raw bytes either way), where the prefix ends
 in `layers.<layer id>.engram.embed`. Only this rank's rows are read (`safe_open(...).get_slice`).
 """
 
@@ -57,16 +57,27 @@ def fill_synthetic_slice(owned: torch.Tensor, first_row: int, head_dim: int, see
         torch.cuda.empty_cache()  # the generator's temporaries: give them back for KV cache
 
 
-def find_table_tensors(checkpoint: str, layer_id: int) -> tuple[str, str]:
-    """(safetensors file, tensor prefix) of layer `layer_id`'s Engram table."""
+# DeepSeek-V4.1 checkpoints name the scales `...engram.embed.scale`; vLLM renames them to
+# `weight_scale_inv` on load, and checkpoints written by vLLM-side tools keep that name.
+SCALE_SUFFIXES = ("scale", "weight_scale_inv")
+
+
+def find_table_tensors(checkpoint: str, layer_id: int):
+    """((file, name) of the values, (file, name) of the scales) of layer `layer_id`'s table."""
     suffix = f"layers.{layer_id}.engram.embed.weight"
-    for path, names in _checkpoint_names(checkpoint):
-        for name in names:
-            if name == suffix or name.endswith("." + suffix):
-                return path, name[:-len(".weight")]
+    located = {name: path for path, names in _checkpoint_names(checkpoint) for name in names}
+    for name, path in located.items():
+        if name == suffix or name.endswith("." + suffix):
+            prefix = name[:-len(".weight")]
+            for scale_suffix in SCALE_SUFFIXES:
+                scale_name = f"{prefix}.{scale_suffix}"
+                if scale_name in located:
+                    return (path, name), (located[scale_name], scale_name)
+            raise ConfigError("checkpoint", f"{checkpoint} has {name} but no scales for it",
+                              f"{prefix}.scale or {prefix}.weight_scale_inv")
     raise ConfigError("checkpoint", f"{checkpoint} has no tensor named '*{suffix}'",
-                      f"the Engram table of layer {layer_id} (…{suffix} and "
-                      "…weight_scale_inv)")
+                      f"the Engram table of layer {layer_id} (…{suffix} and its "
+                      "…scale or …weight_scale_inv)")
 
 
 def _checkpoint_names(checkpoint: str):
@@ -99,15 +110,16 @@ def fill_from_checkpoint(owned: torch.Tensor, checkpoint: str, layer_id: int, fi
     """`owned` `[rows, row_bytes]` <- checkpoint rows `[first_row, first_row + rows)`, read
     `chunk_rows` at a time (values and scales as raw bytes)."""
     from safetensors import safe_open
-    path, prefix = find_table_tensors(checkpoint, layer_id)
-    with safe_open(path, framework="pt") as f:
-        values, scales = f.get_slice(f"{prefix}.weight"), f.get_slice(f"{prefix}.weight_scale_inv")
+    (values_path, values_name), (scales_path, scales_name) = find_table_tensors(checkpoint,
+                                                                               layer_id)
+    with safe_open(values_path, framework="pt") as vf, safe_open(scales_path, framework="pt") as sf:
+        values, scales = vf.get_slice(values_name), sf.get_slice(scales_name)
         expected = ([num_rows, head_dim], [num_rows, head_dim // 32])
         if [list(values.get_shape()), list(scales.get_shape())] != list(expected):
-            raise ConfigError(f"checkpoint {path}: {prefix}",
+            raise ConfigError(f"checkpoint {values_path}: {values_name}",
                               f"has shapes {values.get_shape()} and {scales.get_shape()}",
                               f"{list(expected[0])} and {list(expected[1])} from the layout")
-        progress = _Progress(f"layer {layer_id} from {os.path.basename(path)}", owned.numel())
+        progress = _Progress(f"layer {layer_id} from {os.path.basename(values_path)}", owned.numel())
         for begin in range(0, owned.shape[0], chunk_rows):
             end = min(owned.shape[0], begin + chunk_rows)
             rows = slice(first_row + begin, first_row + end)

@@ -101,7 +101,8 @@ def test_spec_names_the_bad_field(field, kwargs, message):
         PeerGroupSpec(**args)
 
 
-def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir):
+@pytest.mark.parametrize("scale_suffix", ["scale", "weight_scale_inv"])
+def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir, scale_suffix):
     """A safetensors checkpoint (fp8 values, e8m0 scales) fills each rank's rows exactly."""
     from safetensors.torch import save_file
 
@@ -114,7 +115,7 @@ def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir):
     for lid, table in tables.items():
         prefix = f"model.layers.{lid}.engram.embed"
         tensors[f"{prefix}.weight"] = table[:, :TINY.head_dim].view(torch.float8_e4m3fn)
-        tensors[f"{prefix}.weight_scale_inv"] = table[:, TINY.head_dim:].view(torch.float8_e8m0fnu)
+        tensors[f"{prefix}.{scale_suffix}"] = table[:, TINY.head_dim:].view(torch.float8_e8m0fnu)
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     for rank in range(3):
