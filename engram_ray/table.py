@@ -175,26 +175,34 @@ def open_group_tables(layout: EngramLayout, spec: PeerGroupSpec, *, backend: str
         raise ConfigError("checkpoint", "is missing", "a safetensors file or folder for "
                           "fill='checkpoint'")
     memory = make_memory(backend, spec, device)
-    rendezvous = None
     try:
         tables = {}
         for layer_id, num_rows in zip(layout.layer_ids, layout.rows_per_table):
             tables[layer_id] = PeerGroupTable(layer_id, num_rows, layout.head_dim, spec, memory)
             tables[layer_id].fill(fill, seed, checkpoint)
-        started_at, start = time.time(), time.perf_counter()
-        rendezvous = Rendezvous(spec.store_dir, spec.generation, spec.size, spec.rank,
-                                spec.timeout_s)
+        return join_group(layout, spec, memory, tables)
+    except BaseException:
+        memory.close()
+        raise
+
+
+def join_group(layout: EngramLayout, spec: PeerGroupSpec, memory: PeerMemory,
+               tables: dict[int, PeerGroupTable]) -> PeerGroupTables:
+    """The group's one rendezvous: publish this rank's slices, map every peer's. On failure the
+    others are told why (they stop at once) and the caller still owns `memory`."""
+    started_at, start = time.time(), time.perf_counter()
+    rendezvous = Rendezvous(spec.store_dir, spec.generation, spec.size, spec.rank,
+                            spec.timeout_s)
+    try:
         slices = {str(lid): [t.slice_start, t.slice_end] for lid, t in tables.items()}
         records = rendezvous.gather(dict(memory.describe(), slices=slices,
                                          fingerprint=layout.fingerprint()))
         memory.map_peers(records)
         rendezvous.finish()
         memory.after_rendezvous()
-        return PeerGroupTables(layout, spec, memory, tables, time.perf_counter() - start,
-                               started_at)
     except BaseException as exc:
-        if rendezvous is not None:
-            rendezvous.fail(f"{type(exc).__name__}: {exc}")
-            rendezvous.close()
-        memory.close()
+        rendezvous.fail(f"{type(exc).__name__}: {exc}")
+        rendezvous.close()
         raise
+    return PeerGroupTables(layout, spec, memory, tables, time.perf_counter() - start,
+                           started_at)

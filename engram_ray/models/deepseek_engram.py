@@ -27,7 +27,6 @@ group without FABRIC handles.
 
 from __future__ import annotations
 
-import time
 
 import torch
 from torch import nn
@@ -100,29 +99,12 @@ class GroupSession:
 
     def join(self) -> None:
         """The group's one rendezvous: publish own slices, map every peer's."""
-        from engram_ray.rendezvous import Rendezvous
-        from engram_ray.table import PeerGroupTables
+        from engram_ray.table import join_group
 
-        start = time.perf_counter()
-        spec, tables = self.spec, self.tables
-        rendezvous = Rendezvous(spec.store_dir, spec.generation, spec.size, spec.rank,
-                                spec.timeout_s)
-        try:
-            slices = {str(lid): [t.slice_start, t.slice_end] for lid, t in tables.items()}
-            records = rendezvous.gather(dict(self.memory.describe(), slices=slices,
-                                             fingerprint=self.layout.fingerprint()))
-            self.memory.map_peers(records)
-            rendezvous.finish()
-            self.memory.after_rendezvous()
-        except BaseException as exc:
-            rendezvous.fail(f"{type(exc).__name__}: {exc}")
-            rendezvous.close()
-            raise
-        self.group = PeerGroupTables(self.layout, spec, self.memory, tables,
-                                     time.perf_counter() - start)
+        self.group = join_group(self.layout, self.spec, self.memory, self.tables)
         if self.memory.name != "shm":
             # Peer base addresses go to the device now, not inside a CUDA-graph capture.
-            for table in tables.values():
+            for table in self.tables.values():
                 table.peer_bases  # noqa: B018 (a property that uploads and caches)
 
     def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str) -> torch.Tensor:
