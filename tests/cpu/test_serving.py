@@ -134,3 +134,13 @@ def test_build_app_puts_engram_engines_behind_the_openai_ingress(ray_local, name
     assert (engines.name, engines.num_replicas) == (engine, num_replicas)  # 72 GPUs for DEP2
     gang = engines._deployment_config.gang_scheduling_config
     assert (gang.gang_size if gang else None) == gang_size
+
+
+def test_local_command_is_registered_with_its_options(capsys):
+    from engram_ray.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["local", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--once" in help_text and "--port" in help_text and "--workdir" in help_text
