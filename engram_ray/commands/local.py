@@ -19,6 +19,9 @@ def configure(parser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="stop after the check (for scripts and tests)")
     parser.add_argument("--prompt", default="The river", help="prompt of the check")
+    parser.add_argument("--prometheus-port", type=int, default=0, metavar="PORT",
+                        help="also run Prometheus on 127.0.0.1:PORT with dashboards/prometheus.yml "
+                             "(needs the `prometheus` binary; default: off)")
     parser.add_argument("--summary-every", type=float, default=60.0, metavar="S",
                         help="seconds between metric summaries while serving (default 60)")
 
@@ -62,6 +65,10 @@ def run(args) -> int:
               f"\n          (Prometheus file_sd list: "
               f"{deployment.config.serving.prometheus_targets_file})")
         print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
+        if args.prometheus_port:
+            prometheus = deployment.start_prometheus(args.prometheus_port)
+            print(f"prometheus: {prometheus.url}  (scrapes every engine; queries of "
+                  "dashboards/*.json work there)", flush=True)
         if args.once:
             return 0
         log("serving; Ctrl-C stops everything")

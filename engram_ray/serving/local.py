@@ -169,7 +169,22 @@ class LocalDeployment:
                 out[target] = resp.read().decode()
         return out
 
+    def start_prometheus(self, port: int):
+        """A Prometheus on 127.0.0.1:`port` scraping the engines (dashboards/prometheus.yml)."""
+        from engram_ray.serving.prometheus import Prometheus, scrape_config
+
+        config_file = Path(__file__).resolve().parents[2] / "dashboards" / "prometheus.yml"
+        if not config_file.exists():
+            raise EngramRayError(f"{config_file} not found: --prometheus-port needs a checkout")
+        self.prometheus = Prometheus(scrape_config(
+            config_file, self.config.serving.prometheus_targets_file, None, "5s"), port=port,
+            workdir=self.options.workdir)
+        return self.prometheus
+
     def stop(self) -> None:
+        if getattr(self, "prometheus", None) is not None:
+            self.prometheus.stop()
+            self.prometheus = None
         if not self._ray_started:
             return
         import ray
