@@ -188,6 +188,8 @@ def test_100_concurrent_streams_without_failure(local):
 def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     import ray
 
+    if ray.is_initialized():  # a driver left by an earlier module would refuse a second init
+        ray.shutdown()
     ray.init(address=local.ray_address, log_to_driver=False)
     try:
         replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
