@@ -105,18 +105,20 @@ def rendezvous_markdown(report: dict) -> str:
 
 # --- GPU --------------------------------------------------------------------------------
 
-def peer_copy_ceiling(reps: int = 20) -> float:
-    """GB/s of a 1 GiB copy GPU1 -> GPU0 (copy engines over NVLink), median of `reps`."""
+def peer_copy_ceiling(reps: int = 20, src_device: str = "cuda:1",
+                      dst_device: str = "cuda:0") -> float:
+    """GB/s of a 1 GiB copy `src_device` -> `dst_device` (copy engines over NVLink), median
+    of `reps`."""
     import torch
-    src = torch.empty(GIB, dtype=torch.uint8, device="cuda:1").random_()
-    dst = torch.empty(GIB, dtype=torch.uint8, device="cuda:0")
+    src = torch.empty(GIB, dtype=torch.uint8, device=src_device).random_()
+    dst = torch.empty(GIB, dtype=torch.uint8, device=dst_device)
     times = []
     for i in range(reps + 3):
-        for d in (0, 1):
+        for d in (src_device, dst_device):
             torch.cuda.synchronize(d)
         start = time.perf_counter()
         dst.copy_(src)
-        for d in (0, 1):
+        for d in (src_device, dst_device):
             torch.cuda.synchronize(d)
         if i >= 3:
             times.append(time.perf_counter() - start)
