@@ -202,10 +202,17 @@ def set_from_tables(metrics: EngineMetrics, tables, baseline=None) -> None:
 
 
 def metered_lookup(metrics: EngineMetrics, tables, layer_id: int, row_ids, out: str = "packed"):
-    """`tables.lookup(layer_id, row_ids, out)`, timed, with local/remote rows counted."""
+    """`tables.lookup(layer_id, row_ids, out)`, timed, with local/remote rows counted.
+    CUDA lookups are synchronized around so the time is the kernel's, not its launch."""
     table = tables.tables[layer_id]
+    sync = getattr(row_ids, "is_cuda", False)
+    if sync:
+        import torch
+        torch.cuda.synchronize(row_ids.device)
     start = time.perf_counter()
     result = tables.lookup(layer_id, row_ids, out)
+    if sync:
+        torch.cuda.synchronize(row_ids.device)
     seconds = time.perf_counter() - start
     num_local, num_remote = count_remote_rows(row_ids, table.rows_per_rank, tables.spec.rank)
     metrics.observe_lookup(table_name(layer_id), seconds, num_local, num_remote)

@@ -12,6 +12,7 @@ Both look up with the same bit-exact row reads, so completions do not depend on 
 from __future__ import annotations
 
 import atexit
+import logging
 import re
 
 import torch
@@ -19,6 +20,9 @@ import torch
 from engram_ray.layout import EngramLayout
 from engram_ray.models.peer_settings import PeerGroupSettings
 from engram_ray.reference import lookup_reference
+
+# Under vLLM's logger, whose handler vLLM configures in every engine process.
+logger = logging.getLogger("vllm.engram_ray.tables")
 
 _TABLE_TENSOR = re.compile(r"layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv)$")
 
@@ -65,10 +69,19 @@ class HostTables:
 
 
 class GroupTables:
-    """This engine's slices of a peer group (`engram_ray.table.PeerGroupTables`)."""
+    """This engine's slices of a peer group (`engram_ray.table.PeerGroupTables`).
 
-    def __init__(self, group_tables):
+    With `metrics` (the Serve app's model-process endpoint), lookups are timed and their
+    local/remote rows counted: every lookup on CPU, one in `GPU_METRICS_SAMPLE_EVERY` on GPU,
+    where timing needs a device sync, and never inside a CUDA-graph capture.
+    """
+
+    GPU_METRICS_SAMPLE_EVERY = 64
+
+    def __init__(self, group_tables, metrics=None):
         self.group = group_tables
+        self.metrics = metrics
+        self.num_lookups = 0
 
     def load_checkpoint_tensor(self, name: str, weight: torch.Tensor) -> None:
         # This rank's rows were read from the checkpoint before the rendezvous; peers may be
@@ -76,7 +89,19 @@ class GroupTables:
         parse_table_tensor(name)
 
     def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16") -> torch.Tensor:
-        return self.group.lookup(layer_id, row_ids, out=out)
+        self.num_lookups += 1
+        if not self._is_metered(row_ids):
+            return self.group.lookup(layer_id, row_ids, out=out)
+        from engram_ray.metrics import metered_lookup
+        return metered_lookup(self.metrics, self.group, layer_id, row_ids, out)
+
+    def _is_metered(self, row_ids: torch.Tensor) -> bool:
+        if self.metrics is None:
+            return False
+        if not row_ids.is_cuda:
+            return True
+        return (self.num_lookups % self.GPU_METRICS_SAMPLE_EVERY == 0
+                and not torch.cuda.is_current_stream_capturing())
 
     def close(self) -> None:
         self.group.close()
@@ -87,14 +112,22 @@ def open_model_tables(layout: EngramLayout, vllm_config) -> HostTables | GroupTa
     settings = PeerGroupSettings.for_engine(vllm_config)
     device = "cpu" if vllm_config.device_config.device.type == "cpu" else "cuda"
     if settings is None:
+        logger.info("Engram tables: whole in this engine (%s), no peer group configured", device)
         return HostTables(layout, device)
     from engram_ray.table import open_group_tables
 
+    from engram_ray.serving.exposition import start_process_metrics
+
     is_dummy = str(vllm_config.load_config.load_format) == "dummy"
+    metrics = start_process_metrics(vllm_config.additional_config)
     tables = GroupTables(open_group_tables(
         layout, settings.to_spec(), backend=settings.backend,
         device="cpu" if settings.backend == "shm" else f"cuda:{torch.cuda.current_device()}",
         fill="synthetic" if is_dummy else "checkpoint",
-        checkpoint=None if is_dummy else vllm_config.model_config.model))
+        checkpoint=None if is_dummy else vllm_config.model_config.model), metrics)
     atexit.register(tables.close)
+    logger.info("Engram tables: rank %d of a peer group of %d (generation %s, %s backend), "
+                "rendezvous %.3f s; lookup metrics %s", settings.rank, settings.size,
+                settings.generation, settings.backend, tables.group.rendezvous_seconds,
+                metrics.server.target if metrics else "off")
     return tables

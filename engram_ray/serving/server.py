@@ -106,17 +106,20 @@ class EngramServerMixin:
                 "dp_rank": getattr(self, "dp_rank", 0), "dp_size": getattr(self, "dp_size", 1)}
         self._assignment = a = await self._registry.join.remote(
             self._replica_id, me, labels.get(dep.domain_label_key), **gang)
-        self._llm_config.engine_kwargs.setdefault("additional_config", {})[
-            "engram_peer_group"] = {k: a[k] for k in ("size", "store", "rank", "generation",
-                                                      "timeout_s", "backend")}
         identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['member_rank']}",
                                   a["group_id"], a["member_rank"])
         self._model_target_file = os.path.join(
             tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
-        self._llm_config.engine_kwargs["additional_config"][PROCESS_METRICS_KEY] = {
+        additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
+        additional["engram_peer_group"] = {k: a[k] for k in ("size", "store", "rank",
+                                                             "generation", "timeout_s", "backend")}
+        additional[PROCESS_METRICS_KEY] = {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),
             "target_file": self._model_target_file}
+        # Not engine_kwargs[...] = ...: LLMConfig caches its engine config (a copy of
+        # engine_kwargs) before start(); update_engine_kwargs updates both.
+        self._llm_config.update_engine_kwargs(additional_config=additional)
         self.engram_metrics = EngineMetrics(identity)
         layout = load_layout(dep.model)
         plan = make_plan(layout, "peer", peer_group_size=a["size"])
