@@ -85,7 +85,7 @@ def bench_rendezvous(sizes: list[int], repeats: int) -> dict:
 
 def rendezvous_markdown(report: dict) -> str:
     env = report["env"]
-    lines = [f"# Peer-group rendezvous time (CPU processes, shm backend)", "",
+    lines = ["# Peer-group rendezvous time (CPU processes, shm backend)", "",
              f"Date {env['date']}, commit {env['commit']}, host with {env['cpus']} CPUs "
              "(shared with other work), processes started by forkserver, a start barrier before the "
              "tables are opened.", "",
@@ -289,6 +289,15 @@ def gpu_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(text: str, report: dict, md_path: str | None, json_path: str | None) -> None:
+    """Print the markdown table; write it and the raw report where asked."""
+    print(text)
+    if md_path:
+        Path(md_path).write_text(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("rendezvous", "gpu"))
@@ -310,11 +319,7 @@ def main() -> None:
             load_layout(args.model), args.model)
         report = bench_gpu(layout, model, args.budget_s, args.sweep_min_rows)
         text = gpu_markdown(report)
-    print(text)
-    if args.md:
-        Path(args.md).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_report(text, report, args.md, args.json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Run it from outside the checkout (cd /tmp) after `pip install -e .` (benchmarks/
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -34,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_peer import GIB, LOOKUP_ROWS, NUM_ID_SETS, SMALL, environment  # noqa: E402
-from bench_peer import peer_copy_ceiling  # noqa: E402
+from bench_peer import peer_copy_ceiling, write_report  # noqa: E402
 from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
 from engram_ray.peer.local_group import (expected_rows, file_barrier, random_row_ids,  # noqa: E402
                                          run_group)
@@ -264,11 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"env": environment(), "model": model, "row_bytes": layout.row_bytes,
               "kv_fraction": KV_FRACTION, "groups": groups, "kv_gains": kv_gains(layout, groups)}
     text = scale_markdown(report)
-    print(text)
-    if args.md:
-        Path(args.md).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_report(text, report, args.md, args.json)
 
 
 if __name__ == "__main__":
