@@ -28,7 +28,11 @@ class Check:
 
 def configure(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory folder to check")
+    from engram_ray.peer.shm import shm_dir
+    # The shm backend's own folder ($ENGRAM_RAY_SHM_DIR, default /dev/shm), not a fixed path.
+    parser.add_argument("--shm-dir", default=shm_dir(),
+                        help="shared-memory folder to check (default: $ENGRAM_RAY_SHM_DIR or "
+                             "/dev/shm, where the shm backend puts its slices)")
 
 
 def run(args) -> int:

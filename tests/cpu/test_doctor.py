@@ -30,3 +30,13 @@ def test_doctor_json_and_bad_shm_dir(tmp_path, capsys):
     assert checks["shared memory"]["status"] == "warn"
     assert "No such file or directory" in checks["shared memory"]["detail"]
     assert {"transparent huge pages", "GPUs"} <= set(checks)
+
+
+def test_doctor_checks_the_shm_backends_folder(tmp_path, monkeypatch, capsys):
+    """Without --shm-dir, doctor checks the folder the shm backend uses ($ENGRAM_RAY_SHM_DIR)."""
+    from engram_ray.cli import main
+    monkeypatch.setenv("ENGRAM_RAY_SHM_DIR", str(tmp_path / "engram-shm"))
+    main(["doctor", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert str(tmp_path / "engram-shm") in checks["shared memory"]["detail"]
+    assert checks["shared memory"]["status"] == "warn"
