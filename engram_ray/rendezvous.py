@@ -110,6 +110,8 @@ class Rendezvous:
     def finish(self) -> None:
         """Barrier: every member has mapped its peers' slices. Releases the store."""
         self._store.set(f"mapped/{self.rank}", "1")
+        # A fresh timeout: the first deadline may be all but spent waiting for a late member.
+        self._deadline = time.monotonic() + self.timeout_s
         self._wait_all("mapped", "map its peers' slices")
         self.close()
 

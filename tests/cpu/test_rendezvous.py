@@ -147,3 +147,29 @@ def test_same_rank_twice_is_refused(tmp_path):
     second = Rendezvous(str(tmp_path / "store"), "g1", 2, 0, 1.0)
     with pytest.raises(RendezvousError, match="rank 0 of generation 'g1' was already published"):
         second.gather({"fingerprint": "f"})
+
+
+def test_late_arrival_still_leaves_the_mapping_barrier_its_own_timeout(tmp_path):
+    """The last barrier (peers mapped) gets its own timeout_s: a member that arrives just
+    inside the first timeout must not make the early ones fail at the second barrier."""
+    import time
+    outcome = {}
+
+    def member(rank, delay_s, map_s):
+        time.sleep(delay_s)
+        try:
+            rdv = Rendezvous(str(tmp_path / "store"), "g1", 2, rank, 1.0)
+            rdv.gather({"fingerprint": "f"})
+            time.sleep(map_s)  # mapping the peers' slices
+            rdv.finish()
+            outcome[rank] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(0, 0.0, 0.0)),
+               threading.Thread(target=member, args=(1, 0.6, 0.6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcome == {0: "ok", 1: "ok"}, outcome
