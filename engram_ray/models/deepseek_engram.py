@@ -64,12 +64,14 @@ def check_peer_group_supported(vllm_config, cpu_offload: bool) -> None:
 class GroupSession:
     """This engine's member of the peer group: one slice per table, one rendezvous."""
 
-    def __init__(self, layout: EngramLayout, settings: PeerGroupSettings, device: str):
+    def __init__(self, layout: EngramLayout, settings: PeerGroupSettings, device: str,
+                 metrics=None):
         from engram_ray.table import make_memory
 
         self.layout, self.settings, self.spec = layout, settings, settings.to_spec()
         self.memory = make_memory(settings.backend, self.spec, device)
         self.tables, self.loaded, self.group = {}, set(), None
+        self.metrics = metrics  # the Serve app's model-process endpoint (lookups), or None
 
     def add_table(self, num_embeddings: int, head_sizes: tuple[int, ...]):
         """Allocate the slice of the table with these sizes; returns its PeerGroupTable."""
@@ -99,9 +101,13 @@ class GroupSession:
 
     def join(self) -> None:
         """The group's one rendezvous: publish own slices, map every peer's."""
+        from engram_ray.models.engram_tables import GroupTables
         from engram_ray.table import join_group
 
         self.group = join_group(self.layout, self.spec, self.memory, self.tables)
+        # Timed, local/remote-counted lookups when `metrics` is set, as for the tiny model's
+        # tables: the dashboards' lookup panels have data for DeepSeek-V4.1 too.
+        self._reader = GroupTables(self.group, self.metrics)
         if self.memory.name != "shm":
             # Peer base addresses go to the device now, not inside a CUDA-graph capture.
             for table in self.tables.values():
@@ -112,7 +118,7 @@ class GroupSession:
             raise RuntimeError(
                 f"Engram peer group {self.spec.generation}: lookup before the group was "
                 f"joined (tables loaded: {sorted(self.loaded)} of {list(self.layout.layer_ids)})")
-        return self.group.lookup(layer_id, row_ids, out)
+        return self._reader.lookup(layer_id, row_ids, out=out)
 
 
 _SESSIONS: dict[tuple, GroupSession] = {}
@@ -122,11 +128,14 @@ def group_session(vllm_config, settings: PeerGroupSettings) -> GroupSession:
     """One session per (store, generation, rank) in this process."""
     key = (settings.store, str(settings.generation), settings.rank)
     if key not in _SESSIONS:
+        from engram_ray.serving.exposition import start_process_metrics
+
         config = vllm_config.model_config.hf_text_config.to_dict()
         layout = EngramLayout.from_config(config, "model config")
         device = ("cpu" if settings.backend == "shm"
                   else f"cuda:{torch.cuda.current_device()}")
-        _SESSIONS[key] = GroupSession(layout, settings, device)
+        _SESSIONS[key] = GroupSession(layout, settings, device,
+                                      start_process_metrics(vllm_config.additional_config))
     return _SESSIONS[key]
 
 
@@ -138,6 +147,8 @@ def close_sessions() -> None:
             session.group.close()
         else:
             session.memory.close()
+        if session.metrics is not None:
+            session.metrics.server.stop()
 
 
 def _join_hook_class():

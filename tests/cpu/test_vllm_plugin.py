@@ -143,6 +143,33 @@ def test_peer_table_loads_own_rows_and_looks_up_like_the_whole_table(engram_modu
     assert torch.equal(staged, expected)
 
 
+def test_serve_engines_report_lookups_from_the_model_process(engram_module, tmp_path):
+    """`additional_config["engram_metrics"]` (set by the Serve replica) reaches DeepSeek's peer
+    tables: the session starts the model-process endpoint, announces it in the target file, and
+    times and counts every lookup (CPU) as the tiny model's tables do."""
+    import json
+    import urllib.request
+
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    module, _ = engram_module
+    layout = _layout()
+    target_file = tmp_path / "model-targets" / "replica.json"
+    additional = {**_peer(tmp_path), "engram_metrics": {
+        "model": "m", "engine": "group-0-r0", "peer_group": "group-0", "rank": 0,
+        "bind_address": "127.0.0.1", "target_file": str(target_file)}}
+    config = _vllm_config(additional=additional)
+    tables = [_build(module, config, layout, i) for i in range(layout.num_layers)]
+    process_weights_after_loading(torch.nn.ModuleList(tables), config.model_config,
+                                  torch.device("cpu"))
+    ids = torch.randint(0, layout.rows_per_table[0], (5, layout.num_cols))
+    tables[0].forward(ids.to(torch.int32))
+    target = json.loads(target_file.read_text())["target"]
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'engram_lookup_seconds_count{engine="group-0-r0"' in text
+    assert f'rows="local"}} {float(ids.numel())}' in text  # a group of one: all rows local
+
+
 def test_peer_slice_is_this_ranks_rows(engram_module, tmp_path):
     """Rank 1 of 2 allocates ceil(rows / 2) rows and the loader narrows from its first row."""
     module, _ = engram_module
