@@ -155,9 +155,11 @@ def enable_peer_access(device: int, peer: int) -> None:
 def _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out) -> None:
     if out not in OUTPUTS:
         raise ValueError(f"out is {out!r}; expected one of {tuple(OUTPUTS)}")
-    if head_dim // 32 not in SCALE_WORDS or head_dim % 32:
-        raise ValueError(f"head_dim is {head_dim}; the kernel supports 32, 64, 128 or 256 "
-                         "(one scale word of 1-8 bytes per row)")
+    if head_dim // 32 not in SCALE_WORDS or head_dim % 32 or row_bytes_for(head_dim) % 8:
+        # NOTES: the kernel promises Triton 8-byte aligned rows (tl.multiple_of(row_ptr, 8)) and
+        # loads 8-byte vectors; 33-, 66- and 132-byte rows would be misaligned loads.
+        raise ValueError(f"head_dim is {head_dim}; the kernel supports 256 (8-byte aligned "
+                         "264-byte rows); use engram_ray.reference.lookup_reference otherwise")
     if row_ids.dim() != 2 or row_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"row_ids are {row_ids.dtype} {tuple(row_ids.shape)}; expected int64 "
                          "[num_tokens, num_cols]")
