@@ -13,7 +13,7 @@ import torch
 from engram_ray.errors import ConfigError
 from engram_ray.layout import EngramLayout
 from engram_ray.peer.local_group import check_member, expected_rows, random_row_ids, run_group
-from engram_ray.plan import make_plan
+from engram_ray.plan import make_plan, rows_per_rank, slice_range
 from engram_ray.table import PeerGroupSpec, open_group_tables
 
 # Two tables of 4,062 and 4,152 rows, 66-byte rows: small, and not multiples of any P used.
@@ -118,13 +118,13 @@ def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir, scale_suffix):
         tensors[f"{prefix}.{scale_suffix}"] = table[:, TINY.head_dim:].view(torch.float8_e8m0fnu)
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-    for rank in range(3):
-        spec = PeerGroupSpec(size=3, rank=rank, store_dir=str(tmp_path / f"s{rank}"),
-                             generation="ckpt", timeout_s=0.5)
-        for lid, table in tables.items():
-            owned = torch.full((1000, TINY.row_bytes), 0xAB, dtype=torch.uint8)
-            start = rank * 1000
-            end = min(start + 1000, table.shape[0])
+    # P=5 slices of the real plan: the last rank owns fewer rows than rows_per_rank.
+    for lid, table in tables.items():
+        per_rank = rows_per_rank(table.shape[0], 5)
+        assert table.shape[0] % per_rank  # the last slice is short, so padding is checked
+        for rank in range(5):
+            owned = torch.full((per_rank, TINY.row_bytes), 0xAB, dtype=torch.uint8)
+            start, end = slice_range(table.shape[0], 5, rank)
             fill.fill_from_checkpoint(owned[:end - start], str(path), lid, start,
                                       table.shape[0], TINY.head_dim, chunk_rows=97)
             assert torch.equal(owned[:end - start], table[start:end])
