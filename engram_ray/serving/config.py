@@ -20,6 +20,10 @@ from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
+# vLLM arguments with a serving field of their own: in engine_kwargs they would override it
+# after its checks (engine_kwargs are applied last), e.g. TP=2 past "must be 1".
+OWN_ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                   "enable_expert_parallel", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ class ServingConfig(_Section):
         if not isinstance(self.engine_kwargs, dict):
             raise ConfigError("engine_kwargs", f"is {type(self.engine_kwargs).__name__}",
                               "a mapping of vLLM engine arguments")
+        owned = [key for key in OWN_ENGINE_ARGS if key in self.engine_kwargs]
+        if owned:
+            raise ConfigError(f"engine_kwargs.{owned[0]}", "is set in engine_kwargs",
+                              f"serving.{owned[0]} (checked there; engine_kwargs would "
+                              "override it unchecked)")
         _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
         _check_number("metrics_port", self.metrics_port, minimum=0, integer=True)
 

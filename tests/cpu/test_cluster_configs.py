@@ -69,6 +69,10 @@ BROKEN_SERVE = [
      "peer_group_size: is 7, not a multiple of serving.data_parallel_size 2"),
     (lambda d: d["applications"][0]["args"]["serving"].update(tensor_parallel_size=2),
      "tensor_parallel_size: is 2"),
+    (lambda d: d["applications"][0]["args"]["serving"]["engine_kwargs"].update(
+        tensor_parallel_size=2), "engine_kwargs.tensor_parallel_size: is set in engine_kwargs"),
+    (lambda d: d["applications"][0]["args"]["serving"]["engine_kwargs"].update(
+        data_parallel_size=4), "engine_kwargs.data_parallel_size: is set in engine_kwargs"),
     (lambda d: d["applications"][0]["args"]["serving"].update(device="cpu"),
      "table_backend: is 'cuda'"),
     (lambda d: d["applications"][0].pop("import_path"), "applications.0.import_path"),
