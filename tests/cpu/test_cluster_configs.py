@@ -73,6 +73,8 @@ BROKEN_SERVE = [
         tensor_parallel_size=2), "engine_kwargs.tensor_parallel_size: is set in engine_kwargs"),
     (lambda d: d["applications"][0]["args"]["serving"]["engine_kwargs"].update(
         data_parallel_size=4), "engine_kwargs.data_parallel_size: is set in engine_kwargs"),
+    (lambda d: d["applications"][0]["args"]["serving"].update(num_cpus_per_replica=16),
+     "serving.num_cpus_per_replica: is 16 while deployment.num_cpus_per_engine is 8"),
     (lambda d: d["applications"][0]["args"]["serving"].update(device="cpu"),
      "table_backend: is 'cuda'"),
     (lambda d: d["applications"][0].pop("import_path"), "applications.0.import_path"),
