@@ -145,6 +145,10 @@ class DeploymentConfig(_Section):
         if self.fill == "checkpoint" and self.checkpoint is None:
             raise ConfigError("checkpoint", "is missing while fill is 'checkpoint'",
                               "the checkpoint folder holding the Engram weights")
+        if self.fill != "checkpoint" and self.checkpoint is not None:
+            # Otherwise the tables would silently hold synthetic rows, not these weights.
+            raise ConfigError("checkpoint", f"is {self.checkpoint!r} while fill is {self.fill!r}",
+                              "fill: checkpoint to load it, or no checkpoint for synthetic rows")
 
     @property
     def table_device(self) -> str:

@@ -29,6 +29,7 @@ def test_config_is_frozen():
     (dict(table_backend="nccl"), "table_backend"),
     (dict(fill="random"), "fill"),
     (dict(fill="checkpoint"), "checkpoint"),
+    (dict(checkpoint="/models/ds"), "checkpoint"),  # would be ignored: fill is synthetic
     (dict(rendezvous_timeout_s=0), "rendezvous_timeout_s"),
     (dict(placement_timeout_s="soon"), "placement_timeout_s"),
     (dict(num_gpus_per_engine=2), "num_gpus_per_engine"),
