@@ -170,6 +170,26 @@ def test_serve_engines_report_lookups_from_the_model_process(engram_module, tmp_
     assert f'rows="local"}} {float(ids.numel())}' in text  # a group of one: all rows local
 
 
+def test_the_serve_yaml_engine_settings_build_a_peer_table(engram_module, tmp_path):
+    """vLLM's EngramConfig defaults to cpu_offload=True, which a peer group refuses: the
+    DeepSeek Serve YAML's engine_kwargs must turn it off, or every engine fails to start."""
+    from pathlib import Path
+
+    from vllm.config import EngramConfig
+
+    from engram_ray.serve import engine_kwargs
+    from engram_ray.serving.cluster_configs import load_serve_config
+
+    module, _ = engram_module
+    yaml_path = Path(__file__).resolve().parents[2] / "cluster_configs" / \
+        "serve_deepseek_v41_flash.yaml"
+    kwargs = engine_kwargs(next(iter(load_serve_config(yaml_path).values())))
+    engram_config = EngramConfig(**kwargs.get("engram_config", {}))
+    table = _build(module, _vllm_config(additional=_peer(tmp_path)), _layout(), 0,
+                   cpu_offload=engram_config.cpu_offload)
+    assert table.is_peer_table and not table.cpu_offload
+
+
 def test_peer_slice_is_this_ranks_rows(engram_module, tmp_path):
     """Rank 1 of 2 allocates ceil(rows / 2) rows and the loader narrows from its first row."""
     module, _ = engram_module
