@@ -85,21 +85,31 @@ def _has_cap_sys_ptrace() -> bool:
         return False
 
 
+# The importer is not the exporter's ancestor, as between two engines (under Yama scope 1 an
+# ancestor may always take a child's fds, so the opposite direction would prove nothing).
+_TAKE_PARENT_FD = ("import os, sys\n"
+                   "from engram_ray.peer.pidfd import pidfd_getfd\n"
+                   "try:\n    os.close(pidfd_getfd(os.getppid(), int(sys.argv[1])))\n"
+                   "    print('ok')\nexcept Exception as exc:\n    print(exc)\n")
+
+
 def check_pidfd() -> Check:
-    from engram_ray.peer.base import PeerMemoryError
-    from engram_ray.peer.pidfd import pidfd_getfd, ptrace_scope
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    from engram_ray.peer.pidfd import allow_fd_takers, ptrace_scope
+    allow_fd_takers()  # what an exporting engine does
+    read_fd, write_fd = os.pipe()
     try:
-        os.close(pidfd_getfd(child.pid, 0))
-        result = "ok"
-    except (PeerMemoryError, OSError) as exc:
+        child = subprocess.run([sys.executable, "-c", _TAKE_PARENT_FD, str(write_fd)],
+                               capture_output=True, text=True, timeout=60)
+        result = (child.stdout.strip() or child.stderr.strip()[-300:] or
+                  f"exit code {child.returncode}")
+    except (OSError, subprocess.TimeoutExpired) as exc:
         result = str(exc)
     finally:
-        child.stdin.close()
-        child.wait()
+        os.close(read_fd)
+        os.close(write_fd)
     scope, cap = ptrace_scope(), _has_cap_sys_ptrace()
-    detail = f"pidfd_getfd from a child: {result}; Yama ptrace_scope {scope}; CAP_SYS_PTRACE {cap}"
+    detail = (f"pidfd_getfd of this process's fd from a child: {result}; Yama ptrace_scope "
+              f"{scope}; CAP_SYS_PTRACE {cap}")
     if result != "ok":
         return Check("pidfd (POSIX-FD import)", "fail", detail + ": needs Linux >= 5.6 and "
                      "the same user in every member or CAP_SYS_PTRACE")

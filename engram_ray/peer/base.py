@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 import socket
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: pidfd (doctor's probe child) must not import torch
+    import torch
 
 from engram_ray.errors import EngramRayError
 
