@@ -196,8 +196,8 @@ def _is_alive(handle, timeout_s: float) -> bool:
     try:
         ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
         return True
-    except ray.exceptions.GetTimeoutError:
-        return True
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+        return True  # unavailable (e.g. its node unreachable for a moment) may recover
     except ray.exceptions.RayActorError:
         return False
 

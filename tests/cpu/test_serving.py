@@ -42,6 +42,28 @@ def test_deepseek_llm_config_is_dep2_on_gpus():
     assert kwargs["gpu_memory_utilization"] == 0.92
 
 
+class _Unreachable:
+    """A replica handle whose ping fails as `raise_error` says (no Ray needed)."""
+
+    def __init__(self, error):
+        self.__ray_ready__ = type("Method", (), {"remote": staticmethod(self._raise)})()
+        self._error = error
+
+    def _raise(self):
+        raise self._error
+
+
+def test_liveness_watch_takes_only_a_dead_actor_for_dead():
+    """A transient `ActorUnavailableError` (a RayActorError subclass) must not restart the
+    whole peer group; `ActorDiedError` must."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from engram_ray.serving.groups import _is_alive
+
+    assert _is_alive(_Unreachable(ActorUnavailableError("node unreachable", None)), 1.0)
+    assert not _is_alive(_Unreachable(ActorDiedError()), 1.0)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
