@@ -60,6 +60,9 @@ def fill_synthetic_slice(owned: torch.Tensor, first_row: int, head_dim: int, see
 # DeepSeek-V4.1 checkpoints name the scales `...engram.embed.scale`; vLLM renames them to
 # `weight_scale_inv` on load, and checkpoints written by vLLM-side tools keep that name.
 SCALE_SUFFIXES = ("scale", "weight_scale_inv")
+# safetensors dtype names: FP8 e4m3 values; ue8m0 scales as float8_e8m0fnu or raw uint8.
+VALUE_DTYPES = ("F8_E4M3", "U8")
+SCALE_DTYPES = ("F8_E8M0", "U8")
 
 
 def find_table_tensors(checkpoint: str, layer_id: int):
@@ -119,6 +122,11 @@ def fill_from_checkpoint(owned: torch.Tensor, checkpoint: str, layer_id: int, fi
             raise ConfigError(f"checkpoint {values_path}: {values_name}",
                               f"has shapes {values.get_shape()} and {scales.get_shape()}",
                               f"{list(expected[0])} and {list(expected[1])} from the layout")
+        for name, tensor, dtypes in ((values_name, values, VALUE_DTYPES),
+                                     (scales_name, scales, SCALE_DTYPES)):
+            if tensor.get_dtype() not in dtypes:  # raw bytes are copied: the width must be 1
+                raise ConfigError(f"checkpoint {values_path}: {name}",
+                                  f"has dtype {tensor.get_dtype()}", f"one of {dtypes}")
         progress = _Progress(f"layer {layer_id} from {os.path.basename(values_path)}", owned.numel())
         for begin in range(0, owned.shape[0], chunk_rows):
             end = min(owned.shape[0], begin + chunk_rows)

@@ -131,3 +131,21 @@ def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir, scale_suffix):
             assert bool((owned[end - start:] == 0xAB).all())  # nothing past the slice written
     with pytest.raises(ConfigError, match=r"has no tensor named '\*layers.2.engram.embed.weight'"):
         fill.find_table_tensors(str(path), 2)
+
+
+def test_checkpoint_scales_of_another_dtype_are_named(tmp_path):
+    """fp32 scales (DeepSeek-V3-style block scales) are refused naming the tensor and dtype,
+    not copied as raw bytes of the wrong width."""
+    from safetensors.torch import save_file
+
+    from engram_ray.peer import fill
+
+    rows = TINY.rows_per_table[0]
+    prefix = "model.layers.1.engram.embed"
+    save_file({f"{prefix}.weight": torch.zeros(rows, TINY.head_dim).to(torch.float8_e4m3fn),
+               f"{prefix}.weight_scale_inv": torch.ones(rows, TINY.head_dim // 32)},
+              str(tmp_path / "model.safetensors"))
+    owned = torch.zeros(10, TINY.row_bytes, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match=r"engram.embed.weight_scale_inv: has dtype F32"):
+        fill.fill_from_checkpoint(owned, str(tmp_path / "model.safetensors"), 1, 0, rows,
+                                  TINY.head_dim)
