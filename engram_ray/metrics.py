@@ -184,10 +184,11 @@ def generation_number(generation) -> int:
     return int(digits.group(1)) if digits else 0
 
 
-def set_from_tables(metrics: EngineMetrics, tables, baseline=None) -> None:
-    """Table bytes, host bytes, group generation and rendezvous time of an open peer group
-    (`engram_ray.table.PeerGroupTables`). The `shm` backend keeps slices in host memory, so
-    its bytes also count as host bytes. `baseline`: the unsplit plan for the KV-cache gain."""
+def set_table_memory(metrics: EngineMetrics, tables, baseline=None) -> dict:
+    """Table bytes and host bytes this member really allocated (`engram_ray.table.
+    PeerGroupTables.stats()`), and the KV-cache gain against `baseline` (the unsplit plan).
+    The `shm` backend keeps slices in host memory, so its bytes also count as host bytes.
+    Returns the stats."""
     stats = tables.stats()
     placement = "peer" if stats["size"] > 1 else "hbm"
     total = 0
@@ -198,6 +199,12 @@ def set_from_tables(metrics: EngineMetrics, tables, baseline=None) -> None:
     metrics.host_bytes.labels(**metrics._labels).set(total if stats["backend"] == "shm" else 0)
     if baseline is not None:
         metrics.kv_gain_bytes.labels(**metrics._labels).set(baseline.hbm_bytes_per_gpu - total)
+    return stats
+
+
+def set_from_tables(metrics: EngineMetrics, tables, baseline=None) -> None:
+    """`set_table_memory`, plus group generation and rendezvous time of an open peer group."""
+    stats = set_table_memory(metrics, tables, baseline)
     metrics.set_group(generation_number(stats["generation"]), True, stats["rendezvous_seconds"])
 
 

@@ -108,6 +108,10 @@ class GroupSession:
         # Timed, local/remote-counted lookups when `metrics` is set, as for the tiny model's
         # tables: the dashboards' lookup panels have data for DeepSeek-V4.1 too.
         self._reader = GroupTables(self.group, self.metrics)
+        if self.metrics is not None:  # measured: what this member really allocated
+            from engram_ray.metrics import set_table_memory
+            from engram_ray.plan import make_plan
+            set_table_memory(self.metrics, self.group, baseline=make_plan(self.layout, "hbm"))
         if self.memory.name != "shm":
             # Peer base addresses go to the device now, not inside a CUDA-graph capture.
             for table in self.tables.values():

@@ -126,6 +126,10 @@ def open_model_tables(layout: EngramLayout, vllm_config) -> HostTables | GroupTa
         fill="synthetic" if is_dummy else "checkpoint",
         checkpoint=None if is_dummy else vllm_config.model_config.model), metrics)
     atexit.register(tables.close)
+    if metrics is not None:  # measured here: what this member really allocated
+        from engram_ray.metrics import set_table_memory
+        from engram_ray.plan import make_plan
+        set_table_memory(metrics, tables.group, baseline=make_plan(layout, "hbm"))
     logger.info("Engram tables: rank %d of a peer group of %d (generation %s, %s backend), "
                 "rendezvous %.3f s; lookup metrics %s", settings.rank, settings.size,
                 settings.generation, settings.backend, tables.group.rendezvous_seconds,

@@ -88,8 +88,6 @@ class EngramServerMixin:
         import ray
         from ray import serve
 
-        from engram_ray.layout import load_layout
-        from engram_ray.plan import make_plan
         from engram_ray.serving.config import ServeAppConfig
         from engram_ray.serving.groups import get_registry
 
@@ -120,12 +118,10 @@ class EngramServerMixin:
         # Not engine_kwargs[...] = ...: LLMConfig caches its engine config (a copy of
         # engine_kwargs) before start(); update_engine_kwargs updates both.
         self._llm_config.update_engine_kwargs(additional_config=additional)
+        # Table, host and gain bytes are not set from the plan here: the model process
+        # reports what its tables really allocated (an engine that never got its peer-group
+        # settings then shows no split instead of the planned one).
         self.engram_metrics = EngineMetrics(identity)
-        layout = load_layout(dep.model)
-        plan = make_plan(layout, "peer", peer_group_size=a["size"])
-        host = plan.hbm_bytes_per_gpu if dep.table_backend == "shm" else 0
-        self.engram_metrics.set_table_plan(plan, make_plan(layout, "hbm"), layout.layer_ids,
-                                           host_bytes=host)
         self.engram_metrics.set_group(a["generation_index"], False)
         self._metrics_server = MetricsServer([self.engram_metrics.registry],
                                              app.serving.metrics_bind_address,

@@ -168,6 +168,10 @@ def test_serve_engines_report_lookups_from_the_model_process(engram_module, tmp_
         text = resp.read().decode()
     assert 'engram_lookup_seconds_count{engine="group-0-r0"' in text
     assert f'rows="local"}} {float(ids.numel())}' in text  # a group of one: all rows local
+    # Table bytes are what the slice really allocated (a group of one: the whole table).
+    row_bytes = layout.head_dim + layout.head_dim // 32
+    allocated = float(layout.rows_per_table[0] * row_bytes)
+    assert f'placement="hbm",rank="0",table="layer{tables[0].layer_id}"}} {allocated}' in text
 
 
 def test_the_serve_yaml_engine_settings_build_a_peer_table(engram_module, tmp_path):
