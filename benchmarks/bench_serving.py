@@ -40,7 +40,7 @@ def kill_one_engine(deployment, num_streams: int, max_tokens: int) -> dict:
     import ray
 
     from engram_ray.serving.loadgen import run_load
-    from engram_ray.serving.summary import engine_row, parse_samples
+    from engram_ray.serving.summary import engine_row, merge_by_engine
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True)
              if "EngramLLMServer" in a["name"]]
@@ -60,7 +60,8 @@ def kill_one_engine(deployment, num_streams: int, max_tokens: int) -> dict:
         try:
             deployment.complete("hi", max_tokens=4)
             first_ok = first_ok or time.monotonic() - killed_at
-            rows = [engine_row(parse_samples(t)) for t in deployment.metrics_texts().values()]
+            rows = [engine_row(samples) for samples in
+                    merge_by_engine(deployment.metrics_texts()).values()]
         except Exception:  # still restarting
             continue
         if len(rows) == 2 and all(r["healthy"] and r["generation"] >= 2 for r in rows):
