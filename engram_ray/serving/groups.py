@@ -12,6 +12,7 @@ A replica only joins a group of its own NVLink domain (the node label `domain_la
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -23,6 +24,9 @@ from engram_ray.assignment import (create_store_dir, generation_id, generation_s
                                    remove_store_dir)
 from engram_ray.errors import EngramRayError
 from engram_ray.serving.exposition import write_file_sd
+
+
+logger = logging.getLogger(__name__)
 
 
 class NoFreeSlotError(EngramRayError):
@@ -158,17 +162,24 @@ class GroupRegistry:
 
     # --- liveness ------------------------------------------------------------------------
     def _watch(self) -> None:
-        while True:
+        while True:  # a failed round is logged; the watch itself must never end
             time.sleep(self._interval_s)
-            with self._lock:
-                members = [(g, rid, h) for g in self.groups.values() if g.current
-                           for rid, h in g.current.members.values()]
-            for group, replica_id, handle in members:
-                if not _is_alive(handle, timeout_s=max(5.0, 5 * self._interval_s)):
-                    with self._lock:
-                        gen = group.current
-                        if gen and any(rid == replica_id for rid, _ in gen.members.values()):
-                            self._new_generation_locked(group, f"{replica_id} died")
+            try:
+                self._check_members()
+            except Exception:
+                logger.exception("engram-ray: peer-group liveness round failed")
+
+    def _check_members(self) -> None:
+        """Ping every member once; a dead one moves its group to a new generation."""
+        with self._lock:
+            members = [(g, rid, h) for g in self.groups.values() if g.current
+                       for rid, h in g.current.members.values()]
+        for group, replica_id, handle in members:
+            if not _is_alive(handle, timeout_s=max(5.0, 5 * self._interval_s)):
+                with self._lock:
+                    gen = group.current
+                    if gen and any(rid == replica_id for rid, _ in gen.members.values()):
+                        self._new_generation_locked(group, f"{replica_id} died")
 
     # --- metric targets --------------------------------------------------------------------
     def register_target(self, key: str, target: str, labels: dict | None = None) -> None:
@@ -177,7 +188,12 @@ class GroupRegistry:
             self._write_targets_locked()
 
     def _write_targets_locked(self) -> None:
-        write_file_sd(self.config.serving.prometheus_targets_file, self.targets)
+        path = self.config.serving.prometheus_targets_file
+        try:
+            write_file_sd(path, self.targets)
+        except OSError as exc:  # Prometheus misses a change; groups must still move on
+            logger.error("engram-ray: could not write the Prometheus targets list %s: %s",
+                         path, exc)
 
     def status(self) -> dict:
         with self._lock:

@@ -116,6 +116,34 @@ def test_registry_hands_out_ranks_and_restarts_a_group_when_a_member_dies(ray_lo
     ray.kill(registry)
 
 
+def test_group_still_moves_when_the_targets_list_cannot_be_written(ray_local, tmp_path):
+    """A failed write of the Prometheus list (secondary) must neither stop the liveness watch
+    nor keep a group on a generation with a dead member."""
+    ray = ray_local
+    from engram_ray.serving.groups import get_registry
+
+    raw = app_config("serve_local_tiny.yaml").to_dict()
+    (tmp_path / "not-a-dir").write_text("")
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="unwritable",
+                             health_check_interval_s=0.2)
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "not-a-dir" / "t.json"))
+    registry = get_registry(raw, "unwritable")
+
+    @ray.remote(num_cpus=0)
+    class Member:
+        pass
+
+    members = [Member.remote() for _ in range(2)]
+    for i in range(2):
+        ray.get(registry.join.remote(f"m{i}", members[i]))
+    ray.kill(members[0])
+    deadline = time.monotonic() + 30
+    while ray.get(registry.is_current.remote("m1"))[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "moved to generation 2 (m0 died)" in ray.get(registry.is_current.remote("m1"))[1]
+    ray.kill(registry)
+
+
 def test_registry_gives_data_parallel_gangs_aligned_blocks(ray_local, tmp_path):
     """DEP2 in a group of 8: a gang's DP rank d is member base + d (the plugin's convention)."""
     ray = ray_local
