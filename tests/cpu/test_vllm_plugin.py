@@ -227,12 +227,15 @@ def test_dp_ranks_of_a_dep_deployment_are_consecutive_members(engram_module, tmp
 
 
 def test_without_peer_group_the_class_is_vllms(engram_module):
-    module, _ = engram_module
+    module, original = engram_module
     layout = _layout()
-    # vLLM's own constructor runs (and needs a device this machine lacks for HBM tables).
+    # vLLM's own constructor runs (and needs a tensor-parallel group this test lacks): the
+    # failure must come from inside it, not from the patch before it.
     with pytest.raises(Exception) as info:
         _build(module, _vllm_config(), layout, 0, cpu_offload=False)
     assert not isinstance(info.value, ConfigError)
+    codes = [entry.frame.code.raw for entry in info.traceback]
+    assert original.__init__.__code__ in codes, info.getrepr(style="short")
 
 
 @pytest.mark.parametrize("case, match", [
