@@ -218,14 +218,21 @@ class CudaPeerMemory(PeerMemory):
         if self.is_closed:
             return
         self.is_closed = True
-        torch.cuda.synchronize(self.device_idx)
-        self._bases.clear()
-        self.after_rendezvous()
-        for mapping in [m for peers in self._peers.values() for m in peers.values()]:
-            mapping.release()
-        for mapping in self._own.values():
-            mapping.release()
+        # Release everything even if one step fails (a failed peer unmap must not strand
+        # tens of GiB of own slices), then raise the first error.
+        errors = []
+        steps = [lambda: torch.cuda.synchronize(self.device_idx), self._bases.clear,
+                 self.after_rendezvous]
+        steps += [m.release for peers in self._peers.values() for m in peers.values()]
+        steps += [m.release for m in self._own.values()]
+        steps.append(lambda: drv.check(drv.driver().cuDevicePrimaryCtxRelease(self.device_idx),
+                                       "cuDevicePrimaryCtxRelease"))
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 (re-raised below)
+                errors.append(exc)
         self._peers.clear()
         self._own.clear()
-        drv.check(drv.driver().cuDevicePrimaryCtxRelease(self.device_idx),
-                  "cuDevicePrimaryCtxRelease")
+        if errors:
+            raise errors[0]
