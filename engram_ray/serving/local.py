@@ -50,7 +50,7 @@ class LocalDeployment:
         doc = read_yaml(serve_yaml_path())
         app = doc["applications"][0]
         args = app["args"]
-        args["deployment"].update(model=self.model_dir,
+        args["deployment"].update(model=self.model_dir, checkpoint=self.model_dir,
                                   peer_group_store=os.path.join(opts.workdir, "store"))
         args["serving"].update(model_source=self.model_dir, prometheus_targets_file=os.path.join(
             opts.workdir, "prom_targets.json"))

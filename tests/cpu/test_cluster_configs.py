@@ -49,6 +49,14 @@ def test_deepseek_is_dep2_with_groups_of_eight_spanning_four_replicas():
     assert "# peer_group_size: 18" in text  # the commented variant
 
 
+def test_local_deployment_points_every_path_at_its_workdir(tmp_path):
+    from engram_ray.serving.local import LocalDeployment, LocalOptions
+
+    local = LocalDeployment(LocalOptions(workdir=str(tmp_path)))
+    dep, srv = local.config.deployment, local.config.serving
+    assert dep.model == dep.checkpoint == srv.model_source == str(tmp_path / "tiny-model")
+
+
 def test_local_tiny_is_two_cpu_engines_in_one_shm_group():
     config = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values()))
     assert config.num_replicas == 2
@@ -75,6 +83,11 @@ BROKEN_SERVE = [
         data_parallel_size=4), "engine_kwargs.data_parallel_size: is set in engine_kwargs"),
     (lambda d: d["applications"][0]["args"]["serving"].update(num_cpus_per_replica=16),
      "serving.num_cpus_per_replica: is 16 while deployment.num_cpus_per_engine is 8"),
+    (lambda d: d["applications"][0]["args"]["deployment"].update(fill="synthetic",
+                                                                  checkpoint=None),
+     "deployment.fill: is 'synthetic' but the engines load their tables"),
+    (lambda d: d["applications"][0]["args"]["deployment"].update(checkpoint="/elsewhere"),
+     "deployment.checkpoint: is '/elsewhere' while serving.model_source is"),
     (lambda d: d["applications"][0]["args"]["serving"].update(device="cpu"),
      "table_backend: is 'cuda'"),
     (lambda d: d["applications"][0].pop("import_path"), "applications.0.import_path"),
