@@ -74,9 +74,15 @@ class CoordinatorActor:
             self.generation_index += 1
             generation = generation_id(self.config.name, self.group.group_id,
                                        self.generation_index, secrets.token_hex(3))
-            store_dir = create_store_dir(generation_store_dir(
-                self.config.peer_group_store, self.config.name, self.group.group_id,
-                generation))
+            try:
+                store_dir = create_store_dir(generation_store_dir(
+                    self.config.peer_group_store, self.config.name, self.group.group_id,
+                    generation))
+            except Exception as exc:
+                self._note_failure(f"generation {generation} failed: {exc}")
+                raise
+            if old_store and old_store != store_dir:
+                remove_store_dir(old_store)  # survivors dropped their mappings already
             self._log(f"generation {generation}: assigning {self.group.size} ranks")
             self.generation, self.store_dir, self.reports = generation, store_dir, {}
             assignments = make_assignments(self.layout, self.group.group_id, self.group.size,
@@ -85,17 +91,22 @@ class CoordinatorActor:
             try:
                 reports = ray.get(refs, timeout=self.config.rendezvous_timeout_s + 30)
             except Exception as exc:
-                self.state, self.reason = UNHEALTHY, f"generation {generation} failed: {exc}"
-                self.num_failed_in_row += 1
-                self._log(self.reason)
+                self._note_failure(f"generation {generation} failed: {exc}")
                 remove_store_dir(store_dir)
                 raise
             self.reports = {r["rank"]: r for r in reports}
             self.state, self.reason = READY, f"generation {generation} ready"
             self.num_failed_in_row = 0
             self._log(self.reason)
-            if old_store and old_store != store_dir:
-                remove_store_dir(old_store)
+
+    def _note_failure(self, reason: str) -> None:
+        """Unhealthy (the watch retries), or failed after MAX_FAILED_GENERATIONS in a row."""
+        self.state, self.reason = UNHEALTHY, reason
+        self.num_failed_in_row += 1
+        self._log(reason)
+        if self.num_failed_in_row >= MAX_FAILED_GENERATIONS:
+            self.state = FAILED
+            self._log(f"group failed: {self.num_failed_in_row} attempts in a row failed")
 
     def shutdown(self) -> None:
         """Stop watching, kill the engines, remove every store folder of this group."""
@@ -114,9 +125,12 @@ class CoordinatorActor:
         while not self._stop.wait(self.config.health_check_interval_s):
             if self.state == FAILED:
                 return
-            broken = self._find_broken(num_missed)
-            if broken or self.state == UNHEALTHY:
-                self._restart(broken)
+            try:
+                broken = self._find_broken(num_missed)
+                if broken or self.state in (UNHEALTHY, RESTARTING):
+                    self._restart(broken)
+            except Exception as exc:  # noqa: BLE001 (the watch must outlive any one failure)
+                self._note_failure(f"restart failed: {type(exc).__name__}: {exc}")
 
     def _find_broken(self, num_missed: list[int]) -> dict[int, str]:
         refs = [engine.ping.remote() for engine in self.engines]
@@ -166,9 +180,7 @@ class CoordinatorActor:
             self._run_generation()
             self.reason = f"{self.reason} after restart ({why})"
         except Exception:
-            if self.num_failed_in_row >= MAX_FAILED_GENERATIONS:
-                self.state = FAILED
-                self._log(f"group failed: {self.num_failed_in_row} generations in a row failed")
+            pass  # _run_generation noted the failure; the watch retries or the group failed
 
     # --- status ---------------------------------------------------------------------------
 
