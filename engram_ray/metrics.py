@@ -177,10 +177,13 @@ class EngineMetrics:
 
 
 def generation_number(generation) -> int:
-    """Gauge value of a generation id: an int as is, else the id's trailing digits (0 if none)."""
+    """Gauge value of a generation id: an int as is; the index of an id made by
+    `engram_ray.assignment.generation_id` (`<deployment>-<group>.<index>.<token>`); else the
+    id's trailing digits (0 if none)."""
     if isinstance(generation, int):
         return generation
-    digits = re.search(r"(\d+)$", str(generation))
+    index = re.search(r"\.(\d+)\.[0-9a-f]+$", str(generation))
+    digits = index or re.search(r"(\d+)$", str(generation))
     return int(digits.group(1)) if digits else 0
 
 
