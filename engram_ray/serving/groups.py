@@ -61,6 +61,7 @@ class GroupRegistry:
     def __init__(self, app_config_dict: dict):
         from engram_ray.serving.config import ServeAppConfig
 
+        self.app_config_dict = app_config_dict
         self.config = ServeAppConfig.from_dict(app_config_dict, "registry")
         dep = self.config.deployment
         self.groups = {f"group-{i}": _Group(f"group-{i}")
@@ -69,6 +70,12 @@ class GroupRegistry:
         self._lock = threading.Lock()
         self._interval_s = dep.health_check_interval_s
         threading.Thread(target=self._watch, daemon=True, name="engram-group-watch").start()
+
+    def describe(self) -> tuple[dict, int]:
+        """(the app config it was made with, number of members of current generations)."""
+        with self._lock:
+            return self.app_config_dict, sum(len(g.current.members) for g in self.groups.values()
+                                             if g.current)
 
     # --- ranks ---------------------------------------------------------------------------
     def join(self, replica_id: str, handle, domain: str | None = None,
@@ -228,8 +235,34 @@ def _head_node_id() -> str:
 def get_registry(app_config_dict: dict, deployment_name: str):
     """The application's registry, created on the head node by the first replica that asks.
 
+    A registry is detached, so one left by an earlier deployment of the same name may still
+    run: reused when it was made with the same config, replaced when it differs and has no
+    members, refused (with what to do) when it differs and still has members.
     An explicit node-affinity strategy keeps it out of the asking replica's placement group
     (a child actor would otherwise be captured into the replica's bundle)."""
+    registry = _registry_actor(app_config_dict, deployment_name)
+    config, num_members = ray.get(registry.describe.remote())
+    if config == app_config_dict:
+        return registry
+    if num_members:
+        raise EngramRayError(
+            f"{registry_name(deployment_name)}: a group registry of an earlier deployment with "
+            f"other settings still has {num_members} members; shut that deployment down "
+            "(serve shutdown) or give this one another deployment.name")
+    logger.info("replacing %s: made with other settings, no members",
+                registry_name(deployment_name))
+    ray.kill(registry, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(registry_name(deployment_name), namespace="engram")
+            time.sleep(0.2)
+        except ValueError:  # the name is free again
+            break
+    return _registry_actor(app_config_dict, deployment_name)
+
+
+def _registry_actor(app_config_dict: dict, deployment_name: str):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return GroupRegistry.options(

@@ -116,6 +116,37 @@ def test_registry_hands_out_ranks_and_restarts_a_group_when_a_member_dies(ray_lo
     ray.kill(registry)
 
 
+def test_registry_left_by_an_earlier_deployment_is_reused_replaced_or_refused(ray_local,
+                                                                               tmp_path):
+    """Registries are detached: one made with other settings must not hand out stale ranks."""
+    ray = ray_local
+    from engram_ray.errors import EngramRayError
+    from engram_ray.serving.groups import get_registry
+
+    raw = app_config("serve_local_tiny.yaml").to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="redeploy")
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
+    first = get_registry(raw, "redeploy")
+    assert get_registry(raw, "redeploy")._actor_id == first._actor_id   # same settings: reused
+    changed = json.loads(json.dumps(raw))
+    changed["deployment"]["health_check_interval_s"] = 7.0
+    second = get_registry(changed, "redeploy")                            # no members: replaced
+    assert second._actor_id != first._actor_id
+    assert ray.get(second.describe.remote()) == (changed, 0)
+
+    @ray.remote(num_cpus=0)
+    class Member:
+        def ping(self):
+            return True
+
+    member = Member.remote()
+    ray.get(second.join.remote("m0", member))
+    with pytest.raises(EngramRayError, match="still has 1 members"):
+        get_registry(raw, "redeploy")                                     # members: refused
+    ray.kill(second)
+    ray.kill(member)
+
+
 def test_group_still_moves_when_the_targets_list_cannot_be_written(ray_local, tmp_path):
     """A failed write of the Prometheus list (secondary) must neither stop the liveness watch
     nor keep a group on a generation with a dead member."""
