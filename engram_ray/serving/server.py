@@ -69,14 +69,17 @@ class EngramStatLogger:
 
 def kv_cache_capacity(vllm_config) -> tuple[int, int]:
     """(bytes, tokens) of the KV cache: blocks * block_size tokens, each token
-    2 (K and V) * layers * kv_heads * head_size * element bytes."""
+    2 (K and V; 1 for MLA, whose latent is one vector) * layers * kv_heads * head_size *
+    element bytes. NOTES: a model with extra per-layer caches (DeepSeek-V4.1's compressor
+    caches) is not counted here; the engine's own kv_cache_config would be exact."""
     import torch
 
     cache, model, parallel = (vllm_config.cache_config, vllm_config.model_config,
                               vllm_config.parallel_config)
     tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
     dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, "uint8")
-    per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+    num_tensors = 1 if getattr(model, "use_mla", False) else 2
+    per_token = (num_tensors * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
                  * model.get_head_size() * torch.empty((), dtype=dtype).element_size())
     return tokens * per_token, tokens
 

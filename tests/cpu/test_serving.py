@@ -225,3 +225,23 @@ def test_local_command_is_registered_with_its_options(capsys):
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
     assert "--once" in help_text and "--port" in help_text and "--workdir" in help_text
+
+
+def test_kv_cache_capacity_counts_k_and_v_but_one_latent_for_mla():
+    """Arithmetic of the KV-cache gauge on config stand-ins (a vLLM config needs a model)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engram_ray.serving.server import kv_cache_capacity
+
+    def config(use_mla):
+        model = SimpleNamespace(dtype=torch.bfloat16, use_mla=use_mla,
+                                get_num_layers=lambda p: 4, get_num_kv_heads=lambda p: 2,
+                                get_head_size=lambda: 64)
+        return SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=10, block_size=16,
+                                                            cache_dtype="auto"),
+                               model_config=model, parallel_config=None)
+
+    assert kv_cache_capacity(config(False)) == (160 * 2 * 4 * 2 * 64 * 2, 160)
+    assert kv_cache_capacity(config(True)) == (160 * 1 * 4 * 2 * 64 * 2, 160)
