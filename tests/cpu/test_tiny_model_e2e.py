@@ -131,6 +131,14 @@ def test_whole_and_split_tables_give_identical_completions(model_dirs, tmp_path)
     # completions are checked for shape, not compared.
     assert [len(tokens) for tokens in async_engine["completions"]] == [MAX_TOKENS] * len(PROMPTS)
 
+    # Identical completions would also come from engines that silently kept whole tables:
+    # each engine's log says which tables its model process really opened.
+    assert "Engram tables: whole in this engine" in (tmp_path / "whole.log").read_text()
+    for name, size in (("split2", 2), ("split3", 3)):
+        for rank in range(size):
+            log = (tmp_path / f"{name}_{rank}.log").read_text()
+            assert f"Engram tables: rank {rank} of a peer group of {size}" in log, name
+
     for result in [whole, *split2, *split3, async_engine]:
         metrics = result["metrics"]
         assert "vllm:kv_cache_usage_perc" in metrics
