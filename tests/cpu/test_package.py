@@ -39,3 +39,18 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "24"
+
+
+def test_readme_describes_every_deployment_and_serving_field():
+    import dataclasses
+
+    from engram_ray.config import DeploymentConfig
+    from engram_ray.serving.config import ServingConfig
+
+    readme = (REPO / "README.md").read_text()
+    lines = readme.splitlines()
+    assert lines[lines.index("```bash") + 1].startswith("bash scripts/local.sh")
+    assert lines[lines.index("```bash") + 2].startswith("bash scripts/test.sh")
+    for cls in (DeploymentConfig, ServingConfig):
+        for field in dataclasses.fields(cls):
+            assert f"| `{field.name}` |" in readme, f"README lacks {cls.__name__}.{field.name}"
