@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +41,7 @@ _HOST_POINTERS_OK = [True]
 @triton.jit
 def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
                HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
-               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr):
+               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
@@ -56,7 +58,7 @@ def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
         row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
     else:
         row_ptr = src + row * ROW_BYTES
-    row_ptr = tl.multiple_of(row_ptr, 8)
+    row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
     values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
     word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0)
@@ -65,7 +67,7 @@ def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
 
 @triton.jit
 def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
-                SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr):
+                SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr):
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
@@ -82,7 +84,7 @@ def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
         tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
                  mask=in_range[:, None, None])
     else:
-        out_row = tl.multiple_of(out + dst * ROW_BYTES, 8)
+        out_row = tl.multiple_of(out + dst * ROW_BYTES, ROW_ALIGN)
         tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None])
         tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range)
 
@@ -103,6 +105,7 @@ def _engram_lookup_kernel(
     IS_SORTED: tl.constexpr,
     IS_BF16: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # gcd(ROW_BYTES, 8): 8 for 264-byte rows (8-byte vector loads)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
@@ -111,20 +114,20 @@ def _engram_lookup_kernel(
     if PREFETCH:
         dst, in_range, values, word = _load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-            BLOCK_R, IS_PEER, IS_SORTED)
+            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
             next_dst, next_in_range, next_values, next_word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED)
-            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
     else:
         for tile in tl.range(tile, num_tiles, num_programs):
             dst, in_range, values, word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED)
-            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)
 
 
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
@@ -155,11 +158,13 @@ def enable_peer_access(device: int, peer: int) -> None:
 def _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out) -> None:
     if out not in OUTPUTS:
         raise ValueError(f"out is {out!r}; expected one of {tuple(OUTPUTS)}")
-    if head_dim // 32 not in SCALE_WORDS or head_dim % 32 or row_bytes_for(head_dim) % 8:
-        # NOTES: the kernel promises Triton 8-byte aligned rows (tl.multiple_of(row_ptr, 8)) and
-        # loads 8-byte vectors; 33-, 66- and 132-byte rows would be misaligned loads.
-        raise ValueError(f"head_dim is {head_dim}; the kernel supports 256 (8-byte aligned "
-                         "264-byte rows); use engram_ray.reference.lookup_reference otherwise")
+    if head_dim // 32 not in SCALE_WORDS or head_dim % 32:
+        # NOTES: rows are head_dim + head_dim / 32 bytes; the kernel tells Triton their real
+        # alignment (gcd(row bytes, 8)), so 264-byte rows load as 8-byte vectors and 33-, 66- and
+        # 132-byte rows as narrower ones; the scale word is as wide as the row's alignment.
+        raise ValueError(f"head_dim is {head_dim}; the kernel supports "
+                         f"{sorted(32 * n for n in SCALE_WORDS)}; use "
+                         "engram_ray.reference.lookup_reference otherwise")
     if row_ids.dim() != 2 or row_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"row_ids are {row_ids.dtype} {tuple(row_ids.shape)}; expected int64 "
                          "[num_tokens, num_cols]")
@@ -257,7 +262,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   rows_per_rank=rows_per_rank or 1, num_programs=num_programs,
                   HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32],
                   BLOCK_R=config.block_rows, IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
-                  PREFETCH=config.prefetch, num_warps=config.num_warps)
+                  PREFETCH=config.prefetch, ROW_ALIGN=math.gcd(row_bytes_for(head_dim), 8),
+                  num_warps=config.num_warps)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

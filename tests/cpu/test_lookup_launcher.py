@@ -7,11 +7,12 @@ import torch
 from engram_ray.kernels.lookup import engram_lookup
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_head_dims_with_unaligned_rows_are_refused(head_dim):
-    """The kernel loads rows as 8-byte vectors (tl.multiple_of(row_ptr, 8)): rows of 33, 66 or
-    132 bytes would be misaligned, so the launcher must refuse them before launching."""
+@pytest.mark.parametrize("head_dim", [48, 512, 1024])
+def test_head_dims_the_kernel_has_no_scale_word_for_are_refused(head_dim):
+    """The scale bytes of a row are read as one word of 1, 2, 4 or 8 bytes (head_dim 32..256):
+    other head dims must be refused before launching, naming the supported ones."""
     row_bytes = head_dim + head_dim // 32
     table = torch.zeros(4, row_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=f"head_dim is {head_dim}; the kernel supports 256"):
+    with pytest.raises(ValueError, match=rf"head_dim is {head_dim}; the kernel supports "
+                                         r"\[32, 64, 128, 256\]"):
         engram_lookup(torch.zeros(1, 1, dtype=torch.int64), head_dim=head_dim, table=table)

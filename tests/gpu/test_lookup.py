@@ -197,3 +197,26 @@ def test_policy_and_argument_errors(hbm_table):
         _lookup(row_ids=ids, table=hbm_table, out="fp8")
     with pytest.raises(ValueError, match="power of two"):
         _lookup(row_ids=ids, table=hbm_table, block_rows=24)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
+@pytest.mark.parametrize("out", OUTS)
+def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
+    """Rows of 33, 66 and 132 bytes (not 8-byte aligned): the kernel is told their real
+    alignment, so loads stay aligned; bit-exact on a whole table and on two slices."""
+    from engram_ray.kernels.lookup import engram_lookup
+    generator = torch.Generator(device="cuda:0").manual_seed(head_dim)
+    table = random_table(100_003, head_dim, generator=generator, device="cuda:0")
+    ids = _row_ids((129, 24), hash(("narrow", head_dim, out, tile)) % 2**31, "cuda:0")
+    ids = ids.remainder(table.shape[0]).where(ids >= 0, ids)
+    expected = lookup_reference(table, ids, head_dim, out=out)
+    got = engram_lookup(ids, head_dim=head_dim, table=table, out=out, block_rows=tile[0],
+                        prefetch=tile[1])
+    _assert_bitwise(got, expected)
+    per_rank = 60_000
+    slices = [table[:per_rank].clone(), table[per_rank:].clone()]
+    bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
+    got = engram_lookup(ids, head_dim=head_dim, peer_bases=bases, rows_per_rank=per_rank,
+                        out=out, block_rows=tile[0], prefetch=tile[1])
+    _assert_bitwise(got, expected)
