@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engram_ray.errors import ConfigError
+from engram_ray.plan import owner_of
 
 ENGINE_LABELS = ("model", "engine", "peer_group", "rank")
 TABLE_LABELS = ENGINE_LABELS + ("table", "placement")
@@ -66,7 +67,8 @@ def count_remote_rows(row_ids, rows_per_rank: int, rank: int) -> tuple[int, int]
     r // rows_per_rank (engram_ray.plan.owner_of).
     """
     valid = row_ids[row_ids >= 0]
-    num_local = int(((valid // rows_per_rank) == rank).sum())
+    owner, _ = owner_of(valid, rows_per_rank)
+    num_local = int((owner == rank).sum())
     return num_local, int(valid.numel() if hasattr(valid, "numel") else valid.size) - num_local
 
 

@@ -42,9 +42,12 @@ def synthetic_rows(start: int, end: int, head_dim: int, seed: int = 0,
 
 
 def fill_synthetic(table: torch.Tensor, first_row: int, head_dim: int, seed: int = 0,
-                   chunk_rows: int = 1 << 20) -> None:
-    """Fill packed `table[rows, row_bytes]` uint8 with global rows starting at `first_row`."""
+                   chunk_rows: int = 1 << 20, on_chunk=None) -> None:
+    """Fill packed `table[rows, row_bytes]` uint8 with global rows starting at `first_row`;
+    `on_chunk(rows_done)` after each chunk (progress output)."""
     for begin in range(0, table.shape[0], chunk_rows):
         end = min(table.shape[0], begin + chunk_rows)
         table[begin:end] = synthetic_rows(first_row + begin, first_row + end, head_dim, seed,
                                           device=table.device)
+        if on_chunk is not None:
+            on_chunk(end)

@@ -10,9 +10,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "[local] DeepSeek-V4.1-Flash Engram memory plan (engram-ray plan --compare)"
-engram-ray plan --compare
-if python3 -c 'import sys; from engram_ray.commands import COMMANDS; sys.exit("local" not in COMMANDS)'; then
-    export TMPDIR="${TMPDIR:-/tmp}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-    exec engram-ray local "$@"
-fi
+export TMPDIR="${TMPDIR:-/tmp}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+exec engram-ray local "$@"

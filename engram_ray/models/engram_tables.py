@@ -18,6 +18,7 @@ import re
 import torch
 
 from engram_ray.layout import EngramLayout
+from engram_ray.metrics import metered_lookup
 from engram_ray.models.peer_settings import PeerGroupSettings
 from engram_ray.reference import lookup_reference
 
@@ -92,7 +93,6 @@ class GroupTables:
         self.num_lookups += 1
         if not self._is_metered(row_ids):
             return self.group.lookup(layer_id, row_ids, out=out)
-        from engram_ray.metrics import metered_lookup
         return metered_lookup(self.metrics, self.group, layer_id, row_ids, out)
 
     def _is_metered(self, row_ids: torch.Tensor) -> bool:

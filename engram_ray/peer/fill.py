@@ -48,10 +48,8 @@ def fill_synthetic_slice(owned: torch.Tensor, first_row: int, head_dim: int, see
                          label: str, chunk_rows: int = SYNTHETIC_CHUNK_ROWS) -> None:
     """`owned` `[rows, row_bytes]` <- synthetic rows `first_row ...` (on `owned.device`)."""
     progress = _Progress(label, owned.numel())
-    for begin in range(0, owned.shape[0], chunk_rows):
-        end = min(owned.shape[0], begin + chunk_rows)
-        fill_synthetic(owned[begin:end], first_row + begin, head_dim, seed)
-        progress.update(end * owned.shape[1])
+    fill_synthetic(owned, first_row, head_dim, seed, chunk_rows,
+                   on_chunk=lambda rows_done: progress.update(rows_done * owned.shape[1]))
     if owned.is_cuda:
         torch.cuda.synchronize(owned.device)
         torch.cuda.empty_cache()  # the generator's temporaries: give them back for KV cache
