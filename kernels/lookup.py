@@ -41,7 +41,8 @@ _HOST_POINTERS_OK = [True]
 @triton.jit
 def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
                HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
-               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr):
+               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
+               LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr):
     """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
@@ -60,14 +61,17 @@ def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
         row_ptr = src + row * ROW_BYTES
     row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
-    values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
-    word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0)
+    values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0,
+                     cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0,
+                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
     return dst, in_range, values, word
 
 
 @triton.jit
 def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
-                SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr):
+                SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                STORE_CACHE: tl.constexpr):
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
@@ -82,11 +86,13 @@ def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
         power = power_bits.to(tl.float32, bitcast=True)
         real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
         tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
-                 mask=in_range[:, None, None])
+                 mask=in_range[:, None, None], cache_modifier=STORE_CACHE)
     else:
         out_row = tl.multiple_of(out + dst * ROW_BYTES, ROW_ALIGN)
-        tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None])
-        tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range)
+        tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None],
+                 cache_modifier=STORE_CACHE)
+        tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range,
+                 cache_modifier=STORE_CACHE)
 
 
 @triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
@@ -106,6 +112,9 @@ def _engram_lookup_kernel(
     IS_BF16: tl.constexpr,
     PREFETCH: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # gcd(ROW_BYTES, 8): 8 for 264-byte rows (8-byte vector loads)
+    LOAD_CACHE: tl.constexpr = "",   # table loads' cache modifier ("" or ".cg": L2 only)
+    LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
+    STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
@@ -114,20 +123,22 @@ def _engram_lookup_kernel(
     if PREFETCH:
         dst, in_range, values, word = _load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN)
+            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
             next_dst, next_in_range, next_values, next_word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN)
-            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
+                        STORE_CACHE)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
     else:
         for tile in tl.range(tile, num_tiles, num_programs):
             dst, in_range, values, word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN)
-            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
+                        STORE_CACHE)
 
 
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
@@ -263,7 +274,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   HEAD_DIM=head_dim, SCALE_WORD=SCALE_WORDS[head_dim // 32],
                   BLOCK_R=config.block_rows, IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
                   PREFETCH=config.prefetch, ROW_ALIGN=math.gcd(row_bytes_for(head_dim), 8),
-                  num_warps=config.num_warps)
+                  LOAD_CACHE=config.load_cache, LOAD_EVICT=config.load_evict,
+                  STORE_CACHE=config.store_cache, num_warps=config.num_warps)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

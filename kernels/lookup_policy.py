@@ -7,17 +7,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PLACEMENTS = ("hbm", "host", "host_thp", "peer")
+# Cache hints Triton accepts (tl.load cache_modifier / eviction_policy, tl.store cache_modifier).
+LOAD_CACHE = ("", ".ca", ".cg", ".cv")
+LOAD_EVICT = ("", "evict_first", "evict_last")
+STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """How one lookup is launched: rows per tile, persistent programs per SM, warps per
-    program, and whether the next tile's loads are issued before this tile's stores."""
+    program, whether the next tile's loads are issued before this tile's stores, and the
+    cache hints of the table loads and output stores (PTX cache modifiers / L2 eviction)."""
 
     block_rows: int
     programs_per_sm: int
     num_warps: int
     prefetch: bool = False
+    load_cache: str = ""
+    load_evict: str = ""
+    store_cache: str = ""
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -26,6 +34,11 @@ class TileConfig:
         if self.programs_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"programs_per_sm {self.programs_per_sm} / num_warps "
                              f"{self.num_warps}; expected >= 1 / a power of two <= 16")
+        for name, value, allowed in (("load_cache", self.load_cache, LOAD_CACHE),
+                                     ("load_evict", self.load_evict, LOAD_EVICT),
+                                     ("store_cache", self.store_cache, STORE_CACHE)):
+            if value not in allowed:
+                raise ValueError(f"{name} is {value!r}; expected one of {allowed}")
 
 
 # Measured on one H200 (benchmarks/results/lookup_h200.md; sweep in lookup_sweep_h200.json):

@@ -1,0 +1,345 @@
+"""What limits Engram lookups on one GPU: random-read ceilings, cache hints, host page size.
+
+Measures, on the table layouts the lookup benchmark uses (benchmarks/bench_lookup.py):
+- sequential ceilings: device copy (read + write), read only, write only;
+- random reads of one chunk per id from a `--hbm-gib` HBM table (no output but one 8-byte
+  word per id): chunk sizes 32 B .. 4 KiB, 264-byte packed rows among them, 8- and 16-byte
+  loads; the bytes the DRAM must move are whole 32-byte sectors;
+- the lookup kernel at 262K and 1.57M rows with other launches and cache hints (L2-only loads,
+  evict-first loads, streaming stores), checked equal to the default launch;
+- host tables on small pages and on transparent huge pages: lookups whose ids fall inside a
+  window of 256 KiB .. the whole table (GPU address translation reach), and small lookups of
+  16- and 128-row tiles timed interleaved (the policy's noise floor).
+`--ncu` runs one launch of each kind between cudaProfilerStart/Stop for Nsight Compute
+(`ncu --profile-from-start off ...`): DRAM bytes per looked-up row.
+Usage: python benchmarks/lookup_limits.py --json R.json --md R.md [--parts hbm hints host]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engram_ray.host_memory import allocate_host_table, huge_page_bytes  # noqa: E402
+from engram_ray.kernels import lookup as kernel  # noqa: E402
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random, stats,  # noqa: E402
+                           time_launches)
+
+SECTOR = 32
+LARGE_ROWS = (262152, 1572864)   # 10923 and 65536 tokens x 24 columns
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_programs"])
+def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.constexpr,
+                        MAIN_WORDS: tl.constexpr, TAIL_WORDS: tl.constexpr,
+                        ALIGN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[i] = XOR of the 8-byte words of chunk row_ids[i] (bytes [id * STRIDE, + 8 x
+    (MAIN_WORDS + TAIL_WORDS))): every chunk byte is read, 8 bytes per id are written."""
+    num_tiles = tl.cdiv(num_rows, BLOCK_R)
+    words = tl.arange(0, MAIN_WORDS)
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
+        pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        in_range = pos < num_rows
+        row = tl.load(row_ids + pos, mask=in_range, other=0)
+        ptr = tl.multiple_of((src + row * STRIDE).to(tl.pointer_type(tl.uint64)), ALIGN)
+        acc = tl.xor_sum(tl.load(ptr[:, None] + words[None, :], mask=in_range[:, None],
+                                 other=0), axis=1)
+        if TAIL_WORDS > 0:
+            tail = tl.arange(0, TAIL_WORDS)
+            acc ^= tl.xor_sum(tl.load(ptr[:, None] + MAIN_WORDS + tail[None, :],
+                                      mask=in_range[:, None], other=0), axis=1)
+        tl.store(out + pos, acc, mask=in_range)
+
+
+def gather_read(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, stride: int,
+                chunk: int, align: int, block_rows: int = 16, per_sm: int = 8) -> None:
+    words = chunk // 8
+    main = 1 << (words.bit_length() - 1)
+    tail = words - main
+    if tail & (tail - 1):
+        raise ValueError(f"chunk {chunk}: words beyond the power of two must be a power of two")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    programs = max(1, min(triton.cdiv(ids.numel(), block_rows), num_sms * per_sm))
+    _gather_read_kernel[(programs,)](table, ids, out, ids.numel(), programs, STRIDE=stride,
+                                     MAIN_WORDS=main, TAIL_WORDS=tail, ALIGN=align,
+                                     BLOCK_R=block_rows, num_warps=4)
+
+
+def sectors(chunk: int, stride: int) -> float:
+    """Mean 32-byte sectors a chunk at offset id * stride touches (ids uniform)."""
+    period = SECTOR // __import__("math").gcd(stride, SECTOR)
+    offsets = [(i * stride) % SECTOR for i in range(period)]
+    return sum(-(-(o + chunk) // SECTOR) for o in offsets) / period
+
+
+def timed(fn, budget_s: float) -> dict:
+    return stats(time_launches(fn, budget_s=budget_s))
+
+
+def sequential_ceilings(budget_s: float) -> dict:
+    src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    src.random_()
+    ids = torch.arange(src.numel() // 256, device="cuda:0")
+    words = torch.empty(ids.numel(), dtype=torch.int64, device="cuda:0")
+    copy = timed(lambda i: dst.copy_(src), budget_s)["median_ms"]
+    read = timed(lambda i: gather_read(src, ids, words, 256, 256, 16), budget_s)["median_ms"]
+    write = timed(lambda i: dst.fill_(i % 251), budget_s)["median_ms"]
+    return {"copy_GBps": 2 * src.numel() / copy / 1e6,
+            "read_GBps": (src.numel() + 16 * ids.numel()) / read / 1e6,
+            "write_GBps": dst.numel() / write / 1e6}
+
+
+# (label, stride, chunk, alignment of the chunk start)
+RANDOM_READS = [("sector 32 B", 32, 32, 16), ("64 B", 64, 64, 16), ("128 B", 128, 128, 16),
+                ("256 B, 16-B loads", 256, 256, 16), ("256 B, 8-B loads", 256, 256, 8),
+                ("264-B rows (packed Engram), 8-B loads", 264, 264, 8),
+                ("272-B stride, 16-B loads", 272, 272, 16), ("288 B (9 sectors)", 288, 288, 32),
+                ("512 B", 512, 512, 16), ("1 KiB", 1024, 1024, 16), ("4 KiB", 4096, 4096, 16)]
+
+
+def random_reads(table: torch.Tensor, budget_s: float, num_ids: int) -> list[dict]:
+    found = []
+    out = torch.empty(num_ids, dtype=torch.int64, device="cuda:0")
+    generator = torch.Generator(device="cuda:0").manual_seed(7)
+    for label, stride, chunk, align in RANDOM_READS:
+        rows = table.numel() // stride
+        ids = [torch.randint(0, rows, (num_ids,), generator=generator, device="cuda:0")
+               for _ in range(4)]
+        for block_rows, per_sm in ((16, 8), (16, 16), (64, 4)):
+            if chunk * block_rows > 64 * 1024:
+                continue
+            t = timed(lambda i: gather_read(table, ids[i % 4], out, stride, chunk, align,
+                                            block_rows, per_sm), budget_s)
+            ms = t["median_ms"]
+            found.append({"case": label, "stride": stride, "chunk": chunk, "align": align,
+                          "block_rows": block_rows, "programs_per_sm": per_sm, **t,
+                          "chunk_GBps": num_ids * chunk / ms / 1e6,
+                          "sector_GBps": num_ids * sectors(chunk, stride) * SECTOR / ms / 1e6,
+                          "ids_per_ns": num_ids / ms / 1e6})
+            print(json.dumps(found[-1]), flush=True)
+    return found
+
+
+HINTS = {"none": {}, "load .cg": {"load_cache": ".cg"},
+         "load evict_first": {"load_evict": "evict_first"}, "store .cs": {"store_cache": ".cs"},
+         "load .cg + store .cs": {"load_cache": ".cg", "store_cache": ".cs"}}
+LAUNCHES = [kernel.TileConfig(16, 8, 4), kernel.TileConfig(16, 16, 4, True),
+            kernel.TileConfig(32, 4, 4), kernel.TileConfig(32, 8, 4, True),
+            kernel.TileConfig(64, 2, 4), kernel.TileConfig(16, 12, 4)]
+
+
+def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
+    """Each launch without hints, the default launch with each hint; equal outputs checked."""
+    found = []
+    generator = torch.Generator(device="cuda:0").manual_seed(11)
+    saved = dict(kernel.TILE_CONFIGS["hbm"])
+    try:
+        for num_rows in LARGE_ROWS:
+            ids = [torch.randint(0, table.shape[0], (num_rows // NUM_COLS, NUM_COLS),
+                                 generator=generator, device="cuda:0") for _ in range(4)]
+            for out in ("packed", "bf16"):
+                expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
+                cases = [(f"{c.block_rows}x{c.programs_per_sm}/SM w{c.num_warps}"
+                          f"{' prefetch' if c.prefetch else ''}", c, "none") for c in LAUNCHES]
+                cases += [(f"16x8/SM w4 {hint}", replace(LAUNCHES[0], **HINTS[hint]), hint)
+                          for hint in HINTS if hint != "none"]
+                for name, config, hint in cases:
+                    kernel.TILE_CONFIGS["hbm"][config.block_rows] = config
+                    got = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out,
+                                               block_rows=config.block_rows)
+                    equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+                    t = timed(lambda i: kernel.engram_lookup(
+                        ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
+                        block_rows=config.block_rows), budget_s)
+                    moved = num_rows * (ROW_BYTES + (ROW_BYTES if out == "packed" else 512))
+                    found.append({"rows": num_rows, "out": out, "variant": name, "hint": hint,
+                                  "equal_to_default": equal, **t,
+                                  "GBps": moved / t["median_ms"] / 1e6})
+                    print(json.dumps(found[-1]), flush=True)
+                    kernel.TILE_CONFIGS["hbm"] = dict(saved)
+    finally:
+        kernel.TILE_CONFIGS["hbm"] = saved
+    return found
+
+
+WINDOWS = [256 << 10, 2 << 20, 16 << 20, 128 << 20, 1 << 30, None]
+
+
+def host_translation(gib: int, budget_s: float) -> tuple[list[dict], dict]:
+    """Host lookups (16,392 rows, packed, ids unsorted) with ids inside a window of the table,
+    small pages against transparent huge pages, 16- and 128-row tiles."""
+    found, info = [], {}
+    generator = torch.Generator(device="cuda:0").manual_seed(5)
+    for placement in ("host", "host_thp"):
+        rows = gib * GIB // ROW_BYTES
+        memory = allocate_host_table(rows * ROW_BYTES, use_thp=placement == "host_thp")
+        table = memory.view(rows, ROW_BYTES)
+        info[placement] = {"huge_page_fraction": huge_page_bytes(memory) / memory.nbytes}
+        table.view(-1)[:1 << 20].random_()
+        for window in WINDOWS:
+            window_rows = rows if window is None else window // ROW_BYTES
+            start = int(torch.randint(0, rows - window_rows + 1, (1,), generator=generator,
+                                      device="cuda:0"))
+            ids = [start + torch.randint(0, window_rows, (683, NUM_COLS), generator=generator,
+                                         device="cuda:0") for _ in range(4)]
+            for block_rows in (16, 128):
+                t = timed(lambda i: kernel.engram_lookup(
+                    ids[i % 4], head_dim=HEAD_DIM, table=table, block_rows=block_rows,
+                    sort_rows=False), budget_s)
+                found.append({"placement": placement, "window_bytes": window or rows * ROW_BYTES,
+                              "block_rows": block_rows, **t,
+                              "read_GBps": ids[0].numel() * ROW_BYTES / t["median_ms"] / 1e6})
+                print(json.dumps(found[-1]), flush=True)
+        interleaved = []
+        for num_tokens in (43, 171, 683):
+            ids = [torch.randint(0, rows, (num_tokens, NUM_COLS), generator=generator,
+                                 device="cuda:0") for _ in range(4)]
+            times = {16: [], 128: []}
+            for _ in range(10):
+                for block_rows in (16, 128):
+                    times[block_rows] += time_launches(lambda i: kernel.engram_lookup(
+                        ids[i % 4], head_dim=HEAD_DIM, table=table, block_rows=block_rows),
+                        budget_s=budget_s / 10, min_reps=10, max_reps=40)
+            interleaved.append({"placement": placement, "rows": num_tokens * NUM_COLS,
+                                **{f"r{b}": stats(t) for b, t in times.items()}})
+            print(json.dumps(interleaved[-1]), flush=True)
+        info[placement]["interleaved"] = interleaved
+        del table, memory
+    return found, info
+
+
+def ncu_launches(gib: int) -> None:
+    """One launch of each measured kind inside cudaProfilerStart/Stop (compiled before)."""
+    table = torch.empty(gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
+    fill_random(table, 3)
+    flat = table.view(-1)
+    generator = torch.Generator(device="cuda:0").manual_seed(1)
+    ids = torch.randint(0, table.shape[0], (65536, NUM_COLS), generator=generator,
+                        device="cuda:0")
+    ids256 = torch.randint(0, flat.numel() // 256, (ids.numel(),), generator=generator,
+                           device="cuda:0")
+    seq = torch.arange(flat.numel() // 256 // 4, device="cuda:0")
+    words = torch.empty(seq.numel(), dtype=torch.int64, device="cuda:0")
+
+    def launches():
+        kernel.engram_lookup(ids, head_dim=HEAD_DIM, table=table, out="packed")
+        kernel.engram_lookup(ids, head_dim=HEAD_DIM, table=table, out="bf16")
+        gather_read(flat, ids.view(-1), words, 264, 264, 8)
+        gather_read(flat, ids256, words, 256, 256, 16)
+        gather_read(flat, seq, words, 256, 256, 16)
+    launches()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    launches()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["hbm", "hints", "host"],
+                        choices=["hbm", "hints", "host"])
+    parser.add_argument("--hbm-gib", type=int, default=16)
+    parser.add_argument("--host-gib", type=int, default=4)
+    parser.add_argument("--budget-s", type=float, default=0.25)
+    parser.add_argument("--ncu", action="store_true", help="launches for Nsight Compute only")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--md", type=Path)
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    if args.ncu:
+        ncu_launches(min(args.hbm_gib, 4))
+        return
+    props = torch.cuda.get_device_properties(0)
+    report = {"environment": {
+        "device": props.name, "num_sms": props.multi_processor_count,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("ENGRAM_COMMIT", "unknown"), "torch": torch.__version__,
+        "triton": triton.__version__}}
+    report["sequential"] = sequential_ceilings(args.budget_s)
+    print("sequential", report["sequential"], flush=True)
+    if "hbm" in args.parts or "hints" in args.parts:
+        table = torch.empty(args.hbm_gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8,
+                            device="cuda:0")
+        fill_random(table, 0)
+        if "hbm" in args.parts:
+            report["random_reads"] = random_reads(table.view(-1), args.budget_s, LARGE_ROWS[1])
+        if "hints" in args.parts:
+            report["lookup_variants"] = lookup_variants(table, args.budget_s)
+        del table
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    if "host" in args.parts:
+        report["host_windows"], report["host_info"] = host_translation(args.host_gib,
+                                                                       args.budget_s)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    if args.md:
+        args.md.write_text(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    env, seq = report["environment"], report["sequential"]
+    lines = [f"# What limits Engram lookups ({env['device']})", "",
+             f"date {env['date']}, commit `{env['commit']}`, torch {env['torch']}, triton "
+             f"{env['triton']}; 16 GiB HBM table of 264-byte rows; device events, L2 flushed "
+             "before each launch, medians.", "",
+             "Sequential (GB/s): " + ", ".join(f"{k[:-5]} {v:.0f}" for k, v in seq.items()), ""]
+    if "random_reads" in report:
+        lines += ["## Random reads, one chunk per id, 1,572,864 ids", "",
+                  "sector GB/s = 32-byte sectors the chunks touch / time; % = of sequential read",
+                  "", "| chunk | tile x programs/SM | median ms | chunk GB/s | sector GB/s | "
+                  "% seq. read |", "|---|---|---|---|---|---|"]
+        for r in report["random_reads"]:
+            lines.append(f"| {r['case']} | {r['block_rows']}x{r['programs_per_sm']} | "
+                         f"{r['median_ms']:.4f} | {r['chunk_GBps']:.0f} | "
+                         f"{r['sector_GBps']:.0f} | "
+                         f"{100 * r['sector_GBps'] / seq['read_GBps']:.0f}% |")
+        lines.append("")
+    if "lookup_variants" in report:
+        lines += ["## Lookup launches and cache hints (HBM table)", "",
+                  "GB/s = rows x (264 read + output written) / median; % = of the copy",
+                  "", "| rows | out | launch | equal | median ms | p99 ms | GB/s | % copy |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in report["lookup_variants"]:
+            lines.append(f"| {r['rows']} | {r['out']} | {r['variant']} | "
+                         f"{r['equal_to_default']} | {r['median_ms']:.4f} | {r['p99_ms']:.4f} | "
+                         f"{r['GBps']:.0f} | {100 * r['GBps'] / seq['copy_GBps']:.0f}% |")
+        lines.append("")
+    if "host_windows" in report:
+        info = report["host_info"]
+        lines += ["## Host tables: ids inside a window (16,392 rows, packed, unsorted)", "",
+                  "huge-page fraction: " + ", ".join(f"{p} {i['huge_page_fraction']:.3f}"
+                                                     for p, i in info.items()), "",
+                  "| placement | window | tile | median ms | read GB/s |", "|---|---|---|---|---|"]
+        for r in report["host_windows"]:
+            lines.append(f"| {r['placement']} | {r['window_bytes'] / 2**20:.2f} MiB | "
+                         f"{r['block_rows']} | {r['median_ms']:.4f} | {r['read_GBps']:.1f} |")
+        lines += ["", "## Host tables: 16- vs 128-row tiles timed interleaved (10 rounds)", "",
+                  "| placement | rows | r16 median / p99 ms | r128 median / p99 ms | r128/r16 |",
+                  "|---|---|---|---|---|"]
+        for placement, i in info.items():
+            for r in i["interleaved"]:
+                lines.append(f"| {placement} | {r['rows']} | {r['r16']['median_ms']:.4f} / "
+                             f"{r['r16']['p99_ms']:.4f} | {r['r128']['median_ms']:.4f} / "
+                             f"{r['r128']['p99_ms']:.4f} | "
+                             f"{r['r128']['median_ms'] / r['r16']['median_ms']:.3f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
