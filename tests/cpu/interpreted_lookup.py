@@ -1,0 +1,76 @@
+"""Run the Triton lookup kernel under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors)
+against the torch reference; used by test_lookup_interpreter.py in a subprocess, since the
+interpreter must be chosen before the kernel module is imported.
+Usage: TRITON_INTERPRET=1 python tests/cpu/interpreted_lookup.py HEAD_DIM SEED
+"""
+
+import itertools
+import math
+import sys
+
+import torch
+
+from engram_ray.kernels import lookup as kernel
+from engram_ray.reference import lookup_reference, random_table
+
+
+def run(src, ids, head_dim, out, wide, *, peer_rows=None, sort=False, prefetch=False,
+        block_rows=16):
+    """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned."""
+    row_bytes = head_dim + head_dim // 32
+    flat = ids.reshape(-1)
+    result = torch.empty(flat.numel(), row_bytes if out == "packed" else head_dim,
+                         dtype=kernel.OUTPUTS[out])
+    result.view(torch.uint8).fill_(0xA5)
+    dst = flat
+    if sort:
+        flat, dst = flat.sort()
+    programs = 3
+    kernel._engram_lookup_kernel[(programs,)](
+        src, flat, dst, result, flat.numel(), peer_rows or 1, programs, HEAD_DIM=head_dim,
+        SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
+        IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
+        PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), WIDE=wide)
+    return result.view(*ids.shape, -1)
+
+
+def check(head_dim: int, seed: int) -> int:
+    torch.manual_seed(seed)
+    row_bytes = head_dim + head_dim // 32
+    rows = 41
+    table = random_table(rows, head_dim)
+    # numpy (the interpreter) rounds bf16 subnormals unlike the GPU: keep products normal.
+    table[:, head_dim:] = torch.randint(110, 140, (rows, head_dim // 32), dtype=torch.uint8)
+    wides = [False, True] if row_bytes % 16 == 8 else [False]
+    checked = 0
+    for out, wide, prefetch, sort, tokens, block_rows in itertools.product(
+            ["packed", "bf16"], wides, [False, True], [False, True], [1, 17, 40], [16, 32]):
+        ids = torch.randint(-1, rows, (tokens, 3))
+        ids.view(-1)[0], ids.view(-1)[-1] = rows - 1, 0
+        got = run(table, ids, head_dim, out, wide, sort=sort, prefetch=prefetch,
+                  block_rows=block_rows)
+        expected = lookup_reference(table, ids, head_dim, out)
+        if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
+            print(f"MISMATCH out={out} wide={wide} prefetch={prefetch} sort={sort} "
+                  f"tokens={tokens} block_rows={block_rows}")
+            return 1
+        checked += 1
+    # Peer: two slices at unrelated (16-byte aligned) addresses, row r on slice r // half.
+    half = (rows + 1) // 2
+    slices = [table[:half].clone(), torch.zeros(half, row_bytes, dtype=torch.uint8)]
+    slices[1][:rows - half] = table[half:]
+    bases = torch.tensor([part.data_ptr() for part in slices], dtype=torch.int64)
+    for out, wide in itertools.product(["packed", "bf16"], wides):
+        ids = torch.randint(-1, rows, (20, 3))
+        got = run(bases, ids, head_dim, out, wide, peer_rows=half)
+        if not torch.equal(got.view(torch.uint8),
+                           lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
+            print(f"MISMATCH peer out={out} wide={wide}")
+            return 1
+        checked += 1
+    print(f"ok head_dim={head_dim} cases={checked}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(check(int(sys.argv[1]), int(sys.argv[2])))
