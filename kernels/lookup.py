@@ -42,12 +42,12 @@ _HOST_POINTERS_OK = [True]
 def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
                HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
                IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
-               LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, WIDE: tl.constexpr):
-    """Issue the loads of one tile: (output rows, in range, values, scale word, first 8 bytes,
-    odd). values: [BLOCK_R, S, 32] bytes of the row, or with WIDE [BLOCK_R, HEAD_DIM / 16, 16]
-    bytes from row byte 8 x odd on (odd rows' first 8 bytes come alone, in `first`)."""
+               LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr):
+    """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
+    group = tl.arange(0, NUM_SCALES)
+    col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]   # [1, NUM_SCALES, 32]
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
     row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
@@ -56,90 +56,43 @@ def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
     if IS_PEER:
         owner = row // rows_per_rank
         base = tl.load(src + owner, mask=has_row, other=0)
-        local = row - owner * rows_per_rank
-        row_ptr = base.to(tl.pointer_type(tl.uint8)) + local * ROW_BYTES
+        row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
     else:
-        local = row
         row_ptr = src + row * ROW_BYTES
     row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
+    values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0,
+                     cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
     word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0,
                    cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-    if WIDE:
-        # ROW_BYTES = 8 mod 16 and a 16-byte aligned base: even rows start on a 16-byte
-        # boundary, odd rows 8 bytes past one. Both read 16-byte vectors from their first
-        # boundary (odd rows through their scale bytes) and odd rows their first 8 bytes alone.
-        odd = local & 1
-        first = tl.load(row_ptr[:, None] + tl.arange(0, 8)[None, :],
-                        mask=(has_row & (odd == 1))[:, None], other=0,
-                        cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-        chunk = (tl.arange(0, HEAD_DIM // 16)[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-        aligned = tl.multiple_of(row_ptr + 8 * odd, 16)
-        values = tl.load(aligned[:, None, None] + chunk, mask=has_row[:, None, None], other=0,
-                         cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-    else:
-        odd = tl.zeros_like(local)
-        first = tl.zeros([BLOCK_R, 8], dtype=tl.uint8)
-        group = tl.arange(0, NUM_SCALES)
-        col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]  # [1, S, 32]
-        values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0,
-                         cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-    return dst, in_range, values, word, first, odd
+    return dst, in_range, values, word
 
 
 @triton.jit
-def _power_of_two(exponent):
-    """2^(e - 127) in fp32, exactly: e = 0 is the subnormal 2^-127, e = 255 the e8m0 NaN."""
-    bits = tl.where(exponent == 0, 0x400000, tl.where(exponent == 255, 0x7FC00000, exponent << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _store_tile(out, dst, in_range, values, word, first, odd, HEAD_DIM: tl.constexpr,
+def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
                 SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                STORE_CACHE: tl.constexpr, WIDE: tl.constexpr):
-    # bf16 = value x 2^(e - 127): fp8 -> fp32 and the power are exact, one rounding fp32 ->
-    # bf16 (RNE), as in the reference.
+                STORE_CACHE: tl.constexpr):
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
-    if WIDE:
-        chunk = (tl.arange(0, HEAD_DIM // 16)[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-        col = 8 * odd[:, None, None] + chunk        # the row byte each loaded byte came from
-        head = tl.arange(0, 8)[None, :]
-        odd_in_range = (in_range & (odd == 1))
-        if IS_BF16:
-            shift = (8 * tl.minimum(col // 32, NUM_SCALES - 1)).to(SCALE_WORD)
-            power = _power_of_two(((word[:, None, None] >> shift) & 0xFF).to(tl.int32))
-            real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power
-            tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
-                     mask=in_range[:, None, None] & (col < HEAD_DIM), cache_modifier=STORE_CACHE)
-            power = _power_of_two((word & 0xFF).to(tl.int32))
-            real = first.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, None]
-            tl.store(out + dst[:, None] * HEAD_DIM + head, real.to(tl.bfloat16),
-                     mask=odd_in_range[:, None], cache_modifier=STORE_CACHE)
-        else:
-            out_row = tl.multiple_of(out + dst * ROW_BYTES, ROW_ALIGN)
-            tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None],
-                     cache_modifier=STORE_CACHE)
-            tl.store(out_row[:, None] + head, first, mask=odd_in_range[:, None],
-                     cache_modifier=STORE_CACHE)
-            tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word,
-                     mask=in_range & (odd == 0), cache_modifier=STORE_CACHE)
+    group = tl.arange(0, NUM_SCALES)
+    col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
+    if IS_BF16:
+        # value x 2^(e - 127): fp8 -> fp32 is exact, 2^(e-127) is exact in fp32 (e = 0 is
+        # the subnormal 2^-127, e = 255 the e8m0 NaN), one rounding fp32 -> bf16 (RNE).
+        shift = (group * 8).to(SCALE_WORD)[None, :]
+        exponent = ((word[:, None] >> shift) & 0xFF).to(tl.int32)
+        power_bits = tl.where(exponent == 0, 0x400000,
+                              tl.where(exponent == 255, 0x7FC00000, exponent << 23))
+        power = power_bits.to(tl.float32, bitcast=True)
+        real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
+        tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
+                 mask=in_range[:, None, None], cache_modifier=STORE_CACHE)
     else:
-        group = tl.arange(0, NUM_SCALES)
-        col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]
-        if IS_BF16:
-            shift = (group * 8).to(SCALE_WORD)[None, :]
-            power = _power_of_two(((word[:, None] >> shift) & 0xFF).to(tl.int32))
-            real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
-            tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
-                     mask=in_range[:, None, None], cache_modifier=STORE_CACHE)
-        else:
-            out_row = tl.multiple_of(out + dst * ROW_BYTES, ROW_ALIGN)
-            tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None],
-                     cache_modifier=STORE_CACHE)
-            tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range,
-                     cache_modifier=STORE_CACHE)
+        out_row = tl.multiple_of(out + dst * ROW_BYTES, ROW_ALIGN)
+        tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None],
+                 cache_modifier=STORE_CACHE)
+        tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range,
+                 cache_modifier=STORE_CACHE)
 
 
 @triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
@@ -162,32 +115,30 @@ def _engram_lookup_kernel(
     LOAD_CACHE: tl.constexpr = "",   # table loads' cache modifier ("" or ".cg": L2 only)
     LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
-    WIDE: tl.constexpr = False,      # 16-byte loads (ROW_BYTES = 8 mod 16, 16-B aligned table)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
     if PREFETCH:
-        dst, in_range, values, word, first, odd = _load_tile(
+        dst, in_range, values, word = _load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, WIDE)
+            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
-            next_dst, next_in_range, next_values, next_word, next_first, next_odd = _load_tile(
+            next_dst, next_in_range, next_values, next_word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, WIDE)
-            _store_tile(out, dst, in_range, values, word, first, odd, HEAD_DIM, SCALE_WORD, IS_BF16,
-                        ROW_ALIGN, STORE_CACHE, WIDE)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
+                        STORE_CACHE)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
-            first, odd = next_first, next_odd
     else:
         for tile in tl.range(tile, num_tiles, num_programs):
-            dst, in_range, values, word, first, odd = _load_tile(
+            dst, in_range, values, word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, WIDE)
-            _store_tile(out, dst, in_range, values, word, first, odd, HEAD_DIM, SCALE_WORD, IS_BF16,
-                        ROW_ALIGN, STORE_CACHE, WIDE)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+            _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
+                        STORE_CACHE)
 
 
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
@@ -314,10 +265,6 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     num_programs = max(1, min(triton.cdiv(num_rows, config.block_rows),
                               num_sms * config.programs_per_sm))
-    # 16-byte loads need rows 8 bytes off a 16-byte boundary every other row and an aligned
-    # table (a view starting at an odd row is not): otherwise the 8-byte path.
-    wide = (config.wide_loads and row_bytes % 16 == 8
-            and (table is None or table.data_ptr() % 16 == 0))
     if table is not None and not table.is_cuda and not _HOST_POINTERS_OK:
         # Triton refused a pinned host pointer once: address the table as a one-rank peer table.
         peer_bases = torch.tensor([table.data_ptr()], dtype=torch.int64, device=device)
@@ -328,7 +275,7 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   BLOCK_R=config.block_rows, IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
                   PREFETCH=config.prefetch, ROW_ALIGN=math.gcd(row_bytes_for(head_dim), 8),
                   LOAD_CACHE=config.load_cache, LOAD_EVICT=config.load_evict,
-                  STORE_CACHE=config.store_cache, WIDE=wide, num_warps=config.num_warps)
+                  STORE_CACHE=config.store_cache, num_warps=config.num_warps)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

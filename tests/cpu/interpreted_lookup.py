@@ -14,7 +14,7 @@ from engram_ray.kernels import lookup as kernel
 from engram_ray.reference import lookup_reference, random_table
 
 
-def run(src, ids, head_dim, out, wide, *, peer_rows=None, sort=False, prefetch=False,
+def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
         block_rows=16):
     """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned."""
     row_bytes = head_dim + head_dim // 32
@@ -30,7 +30,7 @@ def run(src, ids, head_dim, out, wide, *, peer_rows=None, sort=False, prefetch=F
         src, flat, dst, result, flat.numel(), peer_rows or 1, programs, HEAD_DIM=head_dim,
         SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
         IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
-        PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), WIDE=wide)
+        PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8))
     return result.view(*ids.shape, -1)
 
 
@@ -41,17 +41,16 @@ def check(head_dim: int, seed: int) -> int:
     table = random_table(rows, head_dim)
     # numpy (the interpreter) rounds bf16 subnormals unlike the GPU: keep products normal.
     table[:, head_dim:] = torch.randint(110, 140, (rows, head_dim // 32), dtype=torch.uint8)
-    wides = [False, True] if row_bytes % 16 == 8 else [False]
     checked = 0
-    for out, wide, prefetch, sort, tokens, block_rows in itertools.product(
-            ["packed", "bf16"], wides, [False, True], [False, True], [1, 17, 40], [16, 32]):
+    for out, prefetch, sort, tokens, block_rows in itertools.product(
+            ["packed", "bf16"], [False, True], [False, True], [1, 17, 40], [16, 32]):
         ids = torch.randint(-1, rows, (tokens, 3))
         ids.view(-1)[0], ids.view(-1)[-1] = rows - 1, 0
-        got = run(table, ids, head_dim, out, wide, sort=sort, prefetch=prefetch,
+        got = run(table, ids, head_dim, out, sort=sort, prefetch=prefetch,
                   block_rows=block_rows)
         expected = lookup_reference(table, ids, head_dim, out)
         if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
-            print(f"MISMATCH out={out} wide={wide} prefetch={prefetch} sort={sort} "
+            print(f"MISMATCH out={out} prefetch={prefetch} sort={sort} "
                   f"tokens={tokens} block_rows={block_rows}")
             return 1
         checked += 1
@@ -60,12 +59,12 @@ def check(head_dim: int, seed: int) -> int:
     slices = [table[:half].clone(), torch.zeros(half, row_bytes, dtype=torch.uint8)]
     slices[1][:rows - half] = table[half:]
     bases = torch.tensor([part.data_ptr() for part in slices], dtype=torch.int64)
-    for out, wide in itertools.product(["packed", "bf16"], wides):
+    for out in ["packed", "bf16"]:
         ids = torch.randint(-1, rows, (20, 3))
-        got = run(bases, ids, head_dim, out, wide, peer_rows=half)
+        got = run(bases, ids, head_dim, out, peer_rows=half)
         if not torch.equal(got.view(torch.uint8),
                            lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
-            print(f"MISMATCH peer out={out} wide={wide}")
+            print(f"MISMATCH peer out={out}")
             return 1
         checked += 1
     print(f"ok head_dim={head_dim} cases={checked}")

@@ -1,4 +1,4 @@
-"""The lookup kernel's logic on CPU: every head dim, 8- and 16-byte load paths, both outputs,
+"""The lookup kernel's logic on CPU: every head dim, both outputs, 16- and 32-row tiles,
 sorted ids, prefetch, peer slices, run by Triton's interpreter and compared bit for bit with
 the torch reference (tests/gpu repeats this on the GPU at full size)."""
 

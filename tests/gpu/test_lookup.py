@@ -221,26 +221,3 @@ def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
                         out=out, block_rows=tile[0], prefetch=tile[1])
     _assert_bitwise(got, expected)
 
-
-@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
-@pytest.mark.parametrize("out", OUTS)
-def test_8_byte_loads_and_a_table_view_from_an_odd_row(hbm_table, out, tile, monkeypatch):
-    """264-byte rows are read as 16-byte vectors (odd rows: 8 bytes, then vectors); the 8-byte
-    path is kept for tables whose base is not 16-byte aligned (a view starting at an odd row)
-    and on request (TileConfig.wide_loads=False): both bit-exact."""
-    from dataclasses import replace
-
-    from engram_ray.kernels import lookup as kernel
-    view = hbm_table[1:2_000_001]
-    assert view.data_ptr() % 16 == 8
-    ids = _row_ids((43, 24), hash(("odd-view", out, tile)) % 2**31)
-    ids = ids.remainder(view.shape[0]).where(ids >= 0, ids)
-    got = _lookup(row_ids=ids, table=view, out=out, block_rows=tile[0], prefetch=tile[1])
-    _assert_bitwise(got, lookup_reference(view, ids, HEAD_DIM, out=out))
-    narrow = {rows: replace(config, wide_loads=False)
-              for rows, config in kernel.TILE_CONFIGS["hbm"].items()}
-    monkeypatch.setitem(kernel.TILE_CONFIGS, "hbm", narrow)
-    ids = _row_ids((43, 24), hash(("narrow-loads", out, tile)) % 2**31)
-    got = _lookup(row_ids=ids, table=hbm_table, out=out, block_rows=tile[0] or 16,
-                  prefetch=tile[1])
-    _assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
