@@ -40,3 +40,16 @@ def test_tile_config_defaults_and_validation():
         TileConfig(24, 1, 4)
     with pytest.raises(ValueError, match="expected one of"):
         choose_block_rows(10, ROW_BYTES, "disk")
+
+
+def test_cache_hints_default_to_none_and_unknown_ones_are_refused():
+    """The committed launches use no cache hints (measured: .cg and evict_first loads were
+    slower, streaming stores equal; benchmarks/results/lookup_limits_h200.md)."""
+    for configs in TILE_CONFIGS.values():
+        for config in configs.values():
+            assert (config.load_cache, config.load_evict, config.store_cache) == ("", "", "")
+    assert TileConfig(16, 8, 4, store_cache=".cs").store_cache == ".cs"
+    with pytest.raises(ValueError, match=r"load_cache is '\.lu'; expected one of"):
+        TileConfig(16, 8, 4, load_cache=".lu")
+    with pytest.raises(ValueError, match="store_cache is 'evict_first'"):
+        TileConfig(16, 8, 4, store_cache="evict_first")
