@@ -64,13 +64,21 @@ def baseline(table, ids_cpu, ids, out):
     return rows if out == "packed" else dequantize_rows(rows, HEAD_DIM)
 
 
+# Variants are timed in turn, ROUNDS times each with a share of the budget, so that drift
+# between modes (small host lookups are bimodal) falls on every variant alike.
+ROUNDS = 5
+
+
 def measure(table, out, num_tokens, variants, budget_s, with_baseline=False) -> list[dict]:
     ids = table.id_sets(num_tokens, seed=num_tokens)
-    found = []
-    for name, options in variants.items():
-        def run(i, options=options):
-            table.lookup(ids[i % NUM_ID_SETS], out=out, **options)
-        found.append({"variant": name, **stats(time_launches(run, budget_s=budget_s))})
+    times = {name: [] for name in variants}
+    for _ in range(ROUNDS):
+        for name, options in variants.items():
+            def run(i, options=options):
+                table.lookup(ids[i % NUM_ID_SETS], out=out, **options)
+            times[name] += time_launches(run, budget_s=budget_s / ROUNDS, min_reps=4,
+                                         max_reps=40)
+    found = [{"variant": name, **stats(t)} for name, t in times.items()]
     if with_baseline:
         ids_cpu = [part.cpu() for part in ids]
         found.append({"variant": "index_select", **stats(time_launches(
@@ -101,10 +109,10 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
         policy["sweep"] = found
         kernel.TILE_CONFIGS[placement] = lookup_tuning.best_configs(found)
     fixed = []
-    for out in args.outs:
-        for num_tokens in args.tokens:
-            fixed += measure(table, out, num_tokens, fixed_variants(placement), budget)
-    if args.tune:
+    if args.tune:  # the policy is measured from the fixed tiles: time it afterwards
+        for out in args.outs:
+            for num_tokens in args.tokens:
+                fixed += measure(table, out, num_tokens, fixed_variants(placement), budget)
         sort_min_rows, window = lookup_tuning.thresholds(fixed, placement)
         kernel.SORT_MIN_ROWS[placement] = sort_min_rows
         kernel.TILE_POLICY[placement] = window
@@ -118,7 +126,9 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
         for num_tokens in args.tokens:
             num_rows = num_tokens * NUM_COLS
             rows += [r for r in fixed if r["out"] == out and r["rows"] == num_rows]
-            rows += measure(table, out, num_tokens, {"policy": {}}, budget, with_baseline=(
+            variants = {"policy": {}} if args.tune else {**fixed_variants(placement),
+                                                         "policy": {}}
+            rows += measure(table, out, num_tokens, variants, budget, with_baseline=(
                 not placement.startswith("host") or num_rows <= args.max_host_baseline_rows))
             rows[-1 - (rows[-1]["variant"] == "index_select")]["block_rows"] = \
                 kernel.choose_block_rows(num_rows, ROW_BYTES, placement)
