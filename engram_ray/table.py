@@ -21,6 +21,7 @@ import torch
 from engram_ray.errors import ConfigError
 from engram_ray.layout import EngramLayout
 from engram_ray.peer.base import PeerMemory
+from engram_ray.peer.handle_types import check_handle_request
 from engram_ray.plan import rows_per_rank, slice_range
 from engram_ray.reference import lookup_reference_split, row_bytes_for
 from engram_ray.rendezvous import Rendezvous
@@ -40,6 +41,8 @@ class PeerGroupSpec:
     store_dir: str              # peer_group_store directory for this generation
     generation: str             # generation id chosen by the coordinator ([A-Za-z0-9._-]{1,64})
     timeout_s: float = 120.0    # how long the rendezvous waits for every member
+    handle_type: str | None = None  # cuda backend: "fabric" | "posix_fd" only, None: group picks
+    cross_node: bool = False    # the group spans hosts: needs handle_type "fabric"
 
     def __post_init__(self):
         for name, value in (("size", self.size), ("rank", self.rank)):
@@ -59,6 +62,7 @@ class PeerGroupSpec:
                 or not self.timeout_s > 0):
             raise ConfigError("peer_group.timeout_s", f"is {self.timeout_s!r}",
                               "a positive number of seconds")
+        check_handle_request(self.handle_type, self.cross_node, "peer_group")
 
 
 class PeerGroupTable:
@@ -157,11 +161,14 @@ class PeerGroupTables:
 
 
 def make_memory(backend: str, spec: PeerGroupSpec, device: str) -> PeerMemory:
+    """This member's backend; the spec's handle_type and cross_node reach its constructor
+    (the cuda backend honours them, the shm backend refuses a CUDA handle type)."""
     if backend not in BACKENDS:
         raise ConfigError("backend", f"is {backend!r}", f"one of {', '.join(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(rank=spec.rank, size=spec.size, device=device, tag=spec.generation)
+    return cls(rank=spec.rank, size=spec.size, device=device, tag=spec.generation,
+               handle_type=spec.handle_type, cross_node=spec.cross_node)
 
 
 def open_group_tables(layout: EngramLayout, spec: PeerGroupSpec, *, backend: str = "shm",

@@ -6,9 +6,14 @@
 (the upstream proposal's `peer_group_size` / `peer_group_store`, plus this engine's rank and the
 coordinator's generation id). In a data-parallel deployment (DP > 1, e.g. DEP) every DP rank is
 one member: `rank` is the member of DP rank 0 and DP rank d is member `rank + d`
-(`for_dp_rank`); `size` counts every DP rank of every deployment in the group. Optional keys: `timeout_s` (rendezvous wait), `backend`
-("shm" on CPU, "cuda" on GPUs), `cross_node` (the group spans hosts) and `handle_type`
-("fabric" or "posix_fd": how slices are exported; a cross-node group needs "fabric").
+(`for_dp_rank`); `size` counts every DP rank of every deployment in the group. Optional keys:
+`timeout_s` (rendezvous wait), `backend` ("shm" on CPU, "cuda" on GPUs), `cross_node` (the
+group spans hosts) and `handle_type` ("fabric" or "posix_fd": how slices are exported; a
+cross-node group needs "fabric"). Both reach the backend through `to_spec`: with `handle_type`
+the cuda backend offers only that type and fails at start-up if this GPU cannot use it, and
+every member of the group must request the same; without it the group picks the first type
+every member can use (FABRIC, then POSIX FDs on one host). `handle_type` names CUDA handle
+types, so it is refused with backend "shm" (whose slices travel as shared-memory files).
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from engram_ray.errors import ConfigError
+from engram_ray.peer.handle_types import check_handle_request
 
 ADDITIONAL_CONFIG_KEY = "engram_peer_group"
 BACKENDS = ("shm", "cuda")
-HANDLE_TYPES = ("fabric", "posix_fd")
 _REQUIRED = ("size", "store", "rank", "generation")
 _OPTIONAL = ("timeout_s", "backend", "cross_node", "handle_type")
 
@@ -42,21 +47,20 @@ class PeerGroupSettings:
         if self.backend not in BACKENDS:
             raise ConfigError(f"{field}.backend", f"is {self.backend!r}",
                               f"one of {', '.join(BACKENDS)}")
-        if self.handle_type is not None and self.handle_type not in HANDLE_TYPES:
-            raise ConfigError(f"{field}.handle_type", f"is {self.handle_type!r}",
-                              f"one of {', '.join(HANDLE_TYPES)}")
-        if self.cross_node and self.handle_type != "fabric":
+        check_handle_request(self.handle_type, self.cross_node, field)
+        if self.backend == "shm" and self.handle_type is not None:
             raise ConfigError(
-                f"{field}.handle_type", f"is {self.handle_type!r} for a cross-node group",
-                "'fabric': peers on other hosts can only map CUDA FABRIC handles (needs an IMEX "
-                "channel); keep the group inside one host or enable FABRIC handles")
+                f"{field}.handle_type", f"is {self.handle_type!r} with backend 'shm'",
+                "no handle_type: 'fabric' and 'posix_fd' are CUDA handle types; set backend "
+                "'cuda' for GPU tables, or drop handle_type (shm slices are shared-memory files)")
         self.to_spec()  # size, rank, store, generation and timeout checks
 
     def to_spec(self):
         """The `engram_ray.table.PeerGroupSpec` of this engine."""
         from engram_ray.table import PeerGroupSpec
         return PeerGroupSpec(size=self.size, rank=self.rank, store_dir=self.store,
-                             generation=str(self.generation), timeout_s=self.timeout_s)
+                             generation=str(self.generation), timeout_s=self.timeout_s,
+                             handle_type=self.handle_type, cross_node=self.cross_node)
 
     def for_dp_rank(self, dp_rank: int, dp_size: int) -> "PeerGroupSettings":
         """Settings of the engine of DP rank `dp_rank` (member `rank + dp_rank`)."""

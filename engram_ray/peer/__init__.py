@@ -1,4 +1,5 @@
 """Peer memory of peer-group tables: backends behind one interface (`base.PeerMemory`):
 `shm` (CPU, shared-memory files) and `cuda` (CUDA VMM slices, FABRIC or POSIX-FD handles);
-slice filling (`fill`), fd passing (`pidfd`), the driver and its probes (`cuda_driver`), and
-local process groups for tests and benchmarks (`local_group`)."""
+the handle type a group's slices travel as (`handle_types`), slice filling (`fill`), fd passing
+(`pidfd`), the driver and its probes (`cuda_driver`), and local process groups for tests and
+benchmarks (`local_group`)."""

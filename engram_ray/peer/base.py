@@ -3,7 +3,7 @@
 A backend holds, for each table of a peer group, this rank's own slice (allocated here,
 writable) and every peer's slice (mapped from the handle the peer exported). The life of one:
 
-    mem = Backend(rank=r, size=P, device=..., tag=...)
+    mem = Backend(rank=r, size=P, device=..., tag=..., handle_type=None, cross_node=False)
     local = mem.allocate(key, num_rows, row_bytes)   # [num_rows, row_bytes] uint8, fill it
     record = mem.describe()                          # JSON: host, GPU, handle types, handles
     ... rendezvous publishes `record` and gathers everyone's ...

@@ -2,8 +2,10 @@
 cuMemSetAccess), exported as FABRIC handles (IMEX) or POSIX file descriptors (one host).
 
 Allocation requests every handle type this process can use (`usable_handle_types`: FABRIC only
-after a trial allocation succeeds); the group's type is the first that every member offers
-(`choose_handle_type`), so all members decide alike from the rendezvous records. POSIX FDs are
+after a trial allocation succeeds), or only the requested one (`handle_type`; `cross_node`
+requests FABRIC), failing at construction when this GPU cannot use the request; the group's
+type is the request every member made, else the first type every member offers, so all
+members decide alike from the rendezvous records (`engram_ray.peer.handle_types`). POSIX FDs are
 taken from the exporter with pidfd_getfd; the exporter closes its fds once every peer has
 mapped. Peer slices are mapped with access for this GPU; `peer_bases` is the `[P]` int64 device
 tensor of every rank's slice base, own included, that the lookup kernel reads.
@@ -16,10 +18,9 @@ import os
 import torch
 
 from engram_ray.peer import cuda_driver as drv
-from engram_ray.peer.base import PeerMemory, PeerMemoryError, host_identity, same_host
+from engram_ray.peer.base import PeerMemory, PeerMemoryError, host_identity
+from engram_ray.peer.handle_types import choose_handle_type, offered_types, requested_type
 from engram_ray.peer.pidfd import allow_fd_takers, pidfd_getfd
-
-HANDLE_PREFERENCE = ("fabric", "posix_fd")
 
 
 class _DeviceArray:
@@ -44,36 +45,27 @@ class _Mapping:
         drv.check(cu.cuMemRelease(self.handle), "cuMemRelease")
 
 
-def choose_handle_type(records: list[dict]) -> str:
-    """First handle type in HANDLE_PREFERENCE every member offers (POSIX FDs: one host)."""
-    for kind in HANDLE_PREFERENCE:
-        if not all(kind in r["handle_types"] for r in records):
-            continue
-        if kind == "posix_fd" and not all(same_host(records[0], r) for r in records):
-            continue
-        return kind
-    offers = {r["rank"]: r["handle_types"] for r in records}
-    raise PeerMemoryError(
-        f"no handle type every member can use (offered by rank: {offers}; hosts: "
-        f"{sorted({r['host'] for r in records})}): across hosts FABRIC handles need an IMEX "
-        "channel (/dev/nvidia-caps-imex-channels); on one host POSIX FDs need cuMemCreate "
-        "export support. Run `engram-ray doctor` on each node")
-
-
 class CudaPeerMemory(PeerMemory):
     name = "cuda"
 
-    def __init__(self, *, rank: int, size: int, device: str = "cuda", tag: str):
+    def __init__(self, *, rank: int, size: int, device: str = "cuda", tag: str,
+                 handle_type: str | None = None, cross_node: bool = False):
+        """`handle_type`: offer only this type ("fabric" | "posix_fd"; None: every usable
+        one); `cross_node`: the group spans hosts, so only FABRIC. Raises PeerMemoryError
+        when this GPU cannot use what is asked (see `offered_types`)."""
         super().__init__(rank=rank, size=size, device=device, tag=tag)
         dev = torch.device(device)
         if dev.type != "cuda":
             raise PeerMemoryError(f"the cuda backend needs a CUDA device, not {device!r}")
+        self.requested = requested_type(handle_type, cross_node)  # published at rendezvous
         self.device_idx = dev.index if dev.index is not None else torch.cuda.current_device()
         drv.use_device(self.device_idx)
-        self.offered = drv.usable_handle_types(self.device_idx)
-        if not self.offered:
-            raise PeerMemoryError(f"GPU {self.device_idx} can export neither FABRIC nor POSIX-FD "
-                                  "handles: run `engram-ray doctor`")
+        try:
+            self.offered = offered_types(drv.usable_handle_types(self.device_idx),
+                                         self.requested, self.device_idx)
+        except PeerMemoryError:
+            drv.driver().cuDevicePrimaryCtxRelease(self.device_idx)  # no close() will follow
+            raise
         if "posix_fd" in self.offered:
             allow_fd_takers()
         self._own: dict[int, _Mapping] = {}
@@ -147,7 +139,7 @@ class CudaPeerMemory(PeerMemory):
                                  **self._export(key, mapping)}
         uuid = str(torch.cuda.get_device_properties(self.device_idx).uuid)
         return dict(host_identity(), gpu_uuid=uuid, handle_types=list(self.offered),
-                    handles=handles)
+                    handle_request=self.requested, handles=handles)
 
     def _export(self, key: int, mapping: _Mapping) -> dict:
         cu = drv.driver()

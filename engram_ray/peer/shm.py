@@ -4,6 +4,11 @@ Files live in `$ENGRAM_RAY_SHM_DIR` (default /dev/shm), named
 `engram-ray-<generation>-r<rank>-t<layer id>`, mode 0600. Once every peer has mapped them (the
 rendezvous' last barrier) they are unlinked: the memory lives exactly as long as the mappings,
 so a crashed member leaves nothing behind after that point.
+
+Handle types: slices always travel as file paths (`shm_file`) between processes of one host.
+`handle_type` must stay None and `cross_node` False: "fabric" and "posix_fd" are CUDA handle
+types and a cross-node group cannot share files, so both are refused at construction rather
+than ignored.
 """
 
 from __future__ import annotations
@@ -32,10 +37,20 @@ def _as_tensor(mm: mmap.mmap, num_rows: int, row_bytes: int) -> torch.Tensor:
 class ShmPeerMemory(PeerMemory):
     name = "shm"
 
-    def __init__(self, *, rank: int, size: int, device: str = "cpu", tag: str):
+    def __init__(self, *, rank: int, size: int, device: str = "cpu", tag: str,
+                 handle_type: str | None = None, cross_node: bool = False):
         if device != "cpu":
             raise PeerMemoryError(f"the shm backend keeps tables on the CPU, not {device!r}: "
                                   "use backend='cuda' for GPU tables")
+        if handle_type is not None:
+            raise PeerMemoryError(
+                f"handle_type {handle_type!r} was requested with the shm backend: 'fabric' and "
+                "'posix_fd' are CUDA handle types (shm slices travel as shared-memory files); "
+                "drop handle_type, or use backend='cuda' for GPU tables")
+        if cross_node:
+            raise PeerMemoryError("cross_node was requested with the shm backend, whose "
+                                  "slices are files of one host: keep the group on one host, "
+                                  "or use backend='cuda' with handle_type='fabric'")
         super().__init__(rank=rank, size=size, device=device, tag=tag)
         self._maps: dict[int, list[mmap.mmap | None]] = {}
         self._tensors: dict[int, list[torch.Tensor | None]] = {}

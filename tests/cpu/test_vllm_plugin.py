@@ -259,7 +259,10 @@ def test_cross_node_group_needs_fabric_handles(tmp_path):
         PeerGroupSettings.from_additional_config({"engram_peer_group": {
             "size": 2, "store": str(tmp_path), "rank": 0, "generation": "g",
             "cross_node": True}})
-    assert _peer(tmp_path, cross_node=True, handle_type="fabric")
+    assert PeerGroupSettings(size=2, store=str(tmp_path), rank=0, generation="g",
+                             backend="cuda", cross_node=True, handle_type="fabric")
+    with pytest.raises(ConfigError, match="CUDA handle types"):  # shm slices are files
+        _peer(tmp_path, cross_node=True, handle_type="fabric")
 
 
 def test_bad_settings_name_the_field(tmp_path):
