@@ -118,14 +118,15 @@ def random_row_ids(num_rows: int, shape: tuple[int, int], seed: int,
 def check_member(rank: int, layout: EngramLayout, size: int, store_dir: str, generation: str,
                  backend: str = "shm", device: str = "cpu", seed: int = 0,
                  num_tokens: int = 64, timeout_s: float = 30.0,
-                 start_barrier: str | None = None) -> dict:
+                 start_barrier: str | None = None, handle_type: str | None = None) -> dict:
     """Open this rank's tables, compare lookups of random ids with the reference; stats.
-    `start_barrier`: a folder where all members first wait for each other (benchmarks)."""
+    `start_barrier`: a folder where all members first wait for each other (benchmarks);
+    `handle_type`: the type this member requests (cuda backend; None: the group chooses)."""
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     spec = PeerGroupSpec(size=size, rank=rank, store_dir=store_dir, generation=generation,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, handle_type=handle_type)
     if start_barrier:
         file_barrier(start_barrier, "start", rank, list(range(size)))
     tables = open_group_tables(layout, spec, backend=backend, device=device, seed=seed)
