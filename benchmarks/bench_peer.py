@@ -140,7 +140,22 @@ def half_remote_ids(table, num_rows: int, num_cols: int, seed: int, device):
 
 SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
          for b, p, w in ((128, 2, 8), (128, 4, 8), (64, 4, 4), (64, 8, 4), (32, 8, 4),
-                         (16, 4, 4), (16, 8, 4))]
+                         (16, 4, 4), (16, 8, 4), (16, 12, 4), (16, 16, 4))]
+# The committed 16-row peer launch with the kernel's cache hints (kernels/lookup_policy.py).
+HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
+              {"store_cache": ".cs"}]
+
+
+def lookup_with(config, ids, layout, bases, per_rank):
+    """engram_lookup with `config` as the peer launch for its tile rows (restored after)."""
+    from engram_ray.kernels import lookup as kernel
+    saved = dict(kernel.TILE_CONFIGS["peer"])
+    kernel.TILE_CONFIGS["peer"][config.block_rows] = config
+    try:
+        return kernel.engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
+                                    rows_per_rank=per_rank, block_rows=config.block_rows)
+    finally:
+        kernel.TILE_CONFIGS["peer"] = saved
 
 
 def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[dict]:
@@ -181,6 +196,21 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
                                  engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
                                                rows_per_rank=per_rank, **v))["median_ms"])
                             for variant in SWEEP]
+            from dataclasses import replace
+
+            import torch
+
+            from engram_ray.kernels.lookup import tile_config
+            committed = tile_config("peer", 16)
+            for hints in HINT_SWEEP:
+                config = replace(committed, **hints)
+                got = lookup_with(config, id_sets[0], layout, bases, per_rank)
+                same = torch.equal(got, table.lookup(id_sets[0]))
+                row["sweep"].append(dict(
+                    block_rows=16, programs_per_sm=config.programs_per_sm,
+                    num_warps=config.num_warps, prefetch=config.prefetch, hints=hints,
+                    equal=same, median_ms=timed(id_sets, lambda ids, c=config: lookup_with(
+                        c, ids, layout, bases, per_rank))["median_ms"]))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -277,13 +307,16 @@ def gpu_markdown(report: dict) -> str:
     sweeps = [r for r in first["lookups"] if "sweep" in r]
     if sweeps:
         lines += ["", "Kernel tile variants on the half-remote lookups (median ms; remote GB/s):",
-                  "", "| rows | block_rows | programs/SM | warps | median ms | remote GB/s |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "", "| rows | block_rows | programs/SM | warps | prefetch, cache hints | "
+                  "median ms | remote GB/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in sweeps:
             for v in r["sweep"]:
                 gbps = r["remote_rows"] * report["row_bytes"] / v["median_ms"] / 1e6
+                extra = "" if "hints" not in v else (
+                    f"{'prefetch ' if v['prefetch'] else ''}{v['hints'] or 'none'}"
+                    f"{'' if v['equal'] else ' NOT EQUAL'}")
                 lines.append(f"| {r['rows']:,} | {v['block_rows']} | {v['programs_per_sm']} | "
-                             f"{v['num_warps']} | {v['median_ms']:.4f} | {gbps:.0f} |")
+                             f"{v['num_warps']} | {extra} | {v['median_ms']:.4f} | {gbps:.0f} |")
     lines += ["", "Bar (vLLM 0.33 peer-rows mode, 1.57M rows): 56 GB/s of remote rows, 14% of a "
               "389 GB/s peer copy ceiling (3.69 ms); 8 GB/s with 128-row tiles."]
     return "\n".join(lines) + "\n"
