@@ -25,7 +25,7 @@ from engram_ray.assignment import (create_store_dir, generation_id, generation_s
 from engram_ray.config import DeploymentConfig
 from engram_ray.grouping import PeerGroupPlan
 from engram_ray.layout import EngramLayout
-from engram_ray.actors.engine import EngineActor
+from engram_ray.actors.engine import EngineActor, engine_name
 from engram_ray.actors.placement import engine_options
 
 STARTING, READY, RESTARTING, UNHEALTHY, FAILED, SHUT_DOWN = (
@@ -53,6 +53,7 @@ class CoordinatorActor:
 
     def start(self) -> dict:
         """Create the engines (one per bundle), build generation 1, start watching."""
+        self.reason = "creating engines and building generation 1"
         for rank in range(self.group.size):
             self.engines[rank] = self._create_engine(rank)
         self._run_generation()
@@ -63,7 +64,10 @@ class CoordinatorActor:
         me = ray.get_runtime_context().current_actor
         # NOTES: detached, so the engine is not fate-shared with this coordinator: when the
         # coordinator dies its engines must observe it and stop serving, not vanish mid-lookup.
-        return EngineActor.options(lifetime="detached",
+        # Named, so that `Deployment.restart_group` finds every engine of the group even when
+        # this coordinator is dead or stuck (`named_group_engines`).
+        name = engine_name(self.config.name, self.group.group_id, rank)
+        return EngineActor.options(lifetime="detached", name=name,
                                    **engine_options(self.pg, rank, self.config)).remote(
             self.layout, self.config, self.group.group_id, rank, me, self.engine_factory)
 

@@ -13,7 +13,9 @@ plugs the vLLM engine in there; `start_engine` builds it on demand for the curre
 
 from __future__ import annotations
 
+import secrets
 import threading
+import time
 from typing import Callable
 
 import ray
@@ -25,6 +27,67 @@ from engram_ray.member import GroupMember
 
 # Lookups, pings and health answer while a build waits in the rendezvous.
 ENGINE_MAX_CONCURRENCY = 8
+
+
+def engine_name_prefix(deployment_name: str, group_id: str) -> str:
+    """Start of the actor name of every engine of one peer group (in the job's namespace)."""
+    return f"engram-engine:{deployment_name}:{group_id}:"
+
+
+def engine_name(deployment_name: str, group_id: str, rank: int) -> str:
+    """A fresh name per engine: a recreated rank must not wait for its predecessor's name."""
+    return f"{engine_name_prefix(deployment_name, group_id)}rank{rank}:{secrets.token_hex(4)}"
+
+
+def named_group_engines(deployment_name: str, group_id: str) -> list:
+    """Handles of the live engines of one group, whoever created them: the coordinator
+    recreates engines the driver never hears of, and a dead coordinator cannot list them."""
+    prefix = engine_name_prefix(deployment_name, group_id)
+    handles = []
+    for name in ray.util.list_named_actors():
+        if name.startswith(prefix):
+            try:
+                handles.append(ray.get_actor(name))
+            except ValueError:  # died since it was listed
+                pass
+    return handles
+
+
+def wait_dead(actors: list, timeout_s: float) -> list:
+    """Wait until Ray reports every actor dead (engines and coordinators: anything with
+    `ping`); those still alive after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(actors)
+    while alive and time.monotonic() < deadline:
+        refs = [actor.ping.remote() for actor in alive]
+        answered, _ = ray.wait(refs, num_returns=len(refs),
+                               timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        answered = set(answered)
+        alive = [actor for actor, ref in zip(alive, refs)
+                 if ref not in answered or not _is_dead_answer(ref)]
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+def ranks_not_running(engines: list, timeout_s: float = 2.0) -> list[int]:
+    """Ranks whose engine is missing, dead, or answers no ping within `timeout_s` (not
+    scheduled yet: a running engine answers even while its build waits in the rendezvous)."""
+    refs = {rank: e.ping.remote() for rank, e in enumerate(engines) if e is not None}
+    answered = set(ray.wait(list(refs.values()), num_returns=len(refs),
+                            timeout=timeout_s)[0]) if refs else set()
+    return [rank for rank in range(len(engines)) if rank not in refs
+            or refs[rank] not in answered or _is_dead_answer(refs[rank])]
+
+
+def _is_dead_answer(ref) -> bool:
+    try:
+        ray.get(ref)
+    except ray.exceptions.ActorUnavailableError:  # a subclass of RayActorError: not dead
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 @ray.remote(max_concurrency=ENGINE_MAX_CONCURRENCY)

@@ -23,11 +23,17 @@ from dataclasses import dataclass, field
 
 from engram_ray.assignment import group_store_root, remove_store_dir
 from engram_ray.config import DeploymentConfig
+from engram_ray.errors import EngramRayError
 from engram_ray.grouping import (GroupingPlan, PeerGroupPlan, UnusedSlots, check_has_groups,
                                  form_peer_groups)
 from engram_ray.layout import EngramLayout, load_layout
 
 _STARTUP_MARGIN_S = 60.0
+_STOP_TIMEOUT_S = 10.0  # for a coordinator or engine to answer or be reported dead
+
+
+class GroupRestartError(EngramRayError):
+    """A peer group restarted by `Deployment.restart_group` did not become ready."""
 
 
 @dataclass
@@ -82,21 +88,32 @@ class Deployment:
         return {gid: ray.get(g.coordinator.status.remote(), timeout=timeout_s)
                 for gid, g in self.groups.items()}
 
-    def restart_group(self, group_id: str) -> dict:
+    def restart_group(self, group_id: str, timeout_s: float | None = None) -> dict:
         """A new coordinator and new engines for a group (e.g. after its coordinator died),
-        in the same placement group; its status once ready."""
+        in the same placement group; its status once ready.
+
+        The old coordinator is killed first (dead, stuck or busy restarting: it is not asked),
+        then every engine of the group, found by name: also those it recreated that this
+        driver never saw, which would otherwise keep their bundles from the new engines.
+        Raises `GroupRestartError`, naming the group and the ranks that did not come up,
+        when the group is not ready within `timeout_s` (default rendezvous_timeout_s + 60)."""
         import ray
 
         handle = self.groups[group_id]
-        self.engines(group_id)
-        for actor in [*handle.engines, handle.coordinator]:
-            _kill(actor)
+        _stop_group(self.config, group_id, handle, _STOP_TIMEOUT_S)
         remove_store_dir(group_store_root(self.config.peer_group_store, self.config.name,
                                           group_id))
         handle.coordinator = _new_coordinator(self.config, self.layout, handle.plan,
                                               handle.placement_group, self.engine_factory)
-        return ray.get(handle.coordinator.start.remote(),
-                       timeout=self.config.rendezvous_timeout_s + _STARTUP_MARGIN_S)
+        if timeout_s is None:
+            timeout_s = self.config.rendezvous_timeout_s + _STARTUP_MARGIN_S
+        try:
+            return ray.get(handle.coordinator.start.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise GroupRestartError(_not_ready_message(group_id, handle.coordinator,
+                                                       timeout_s)) from None
+        except ray.exceptions.RayError as exc:
+            raise GroupRestartError(f"peer group {group_id} failed to restart: {exc}") from exc
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Coordinators stop and kill their engines; placement groups and stores removed.
@@ -130,10 +147,28 @@ def _shutdown_group(config: DeploymentConfig, group_id: str, handle: GroupHandle
         ray.get(handle.coordinator.shutdown.remote(), timeout=timeout_s)
     except Exception:  # coordinator dead or stuck: kill what we know of
         pass
-    for actor in [*handle.engines, handle.coordinator]:
-        _kill(actor)
+    _stop_group(config, group_id, handle, min(timeout_s, _STOP_TIMEOUT_S))
     release_group(handle.placement_group)
     remove_store_dir(group_store_root(config.peer_group_store, config.name, group_id))
+
+
+def _stop_group(config: DeploymentConfig, group_id: str, handle: GroupHandle,
+                timeout_s: float) -> None:
+    """Kill the group's coordinator, then every engine of the group: the last known handles
+    and every named engine of the group. Waits at most about 2 x `timeout_s` for Ray to report
+    them dead (their bundles are free then); what still lives after that is left to Ray."""
+    from engram_ray.actors.engine import named_group_engines, wait_dead
+
+    _kill(handle.coordinator)
+    # NOTES: engines are listed only once the coordinator is dead: until then its watch may
+    # create more (named actors register before `.remote()` returns, so none is missed).
+    wait_dead([handle.coordinator], timeout_s)
+    engines = [e for e in handle.engines if e is not None]
+    engines += named_group_engines(config.name, group_id)
+    for actor in engines:
+        _kill(actor)
+    wait_dead(engines, timeout_s)
+    handle.engines = []
 
 
 def _kill(actor) -> None:
@@ -143,6 +178,29 @@ def _kill(actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:  # already dead
         pass
+
+
+def _not_ready_message(group_id: str, coordinator, timeout_s: float) -> str:
+    """Why a restarted group is not ready: the coordinator's state and the ranks whose
+    engine does not run (its bundle is held by another actor, or it cannot be scheduled)."""
+    import ray
+
+    from engram_ray.actors.engine import ranks_not_running
+
+    head = f"peer group {group_id} did not become ready within {timeout_s:g} s of restart_group"
+    try:
+        status = ray.get(coordinator.status.remote(), timeout=_STOP_TIMEOUT_S)
+        engines = ray.get(coordinator.get_engines.remote(), timeout=_STOP_TIMEOUT_S)
+    except Exception as exc:
+        return (f"{head}: its new coordinator does not answer ({type(exc).__name__}: {exc}). "
+                "Call restart_group again, or shutdown.")
+    idle = ranks_not_running(engines)
+    what = (f"rank(s) {', '.join(map(str, idle))} have no running engine (their "
+            "placement-group bundle is held by another actor, or the engine cannot be "
+            "scheduled); free the bundle, then call restart_group again" if idle else
+            "every engine runs but the generation is not built yet; raise timeout_s (or "
+            "rendezvous_timeout_s) or call restart_group again")
+    return f"{head}: coordinator state {status['state']!r} ({status['reason']}); {what}."
 
 
 def _new_coordinator(config, layout, group: PeerGroupPlan, pg, engine_factory):
