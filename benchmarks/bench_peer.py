@@ -144,11 +144,6 @@ SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
 # The committed 16-row peer launch with the kernel's cache hints (kernels/lookup_policy.py).
 HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
               {"store_cache": ".cs"}]
-# The line-split kernel (one request per 128-byte line of a row), several launches.
-SPLIT_SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w, prefetch=False,
-                    line_split=True)
-               for b, p, w in ((16, 6, 4), (16, 8, 4), (16, 16, 4), (16, 4, 8), (16, 8, 8),
-                               (32, 4, 8))]
 
 
 def lookup_with(config, ids, layout, bases, per_rank):
@@ -207,12 +202,12 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
 
             from engram_ray.kernels.lookup import tile_config
             committed = tile_config("peer", 16)
-            for hints in HINT_SWEEP + SPLIT_SWEEP:
+            for hints in HINT_SWEEP:
                 config = replace(committed, **hints)
                 got = lookup_with(config, id_sets[0], layout, bases, per_rank)
                 same = torch.equal(got, table.lookup(id_sets[0]))
                 row["sweep"].append(dict(
-                    block_rows=config.block_rows, programs_per_sm=config.programs_per_sm,
+                    block_rows=16, programs_per_sm=config.programs_per_sm,
                     num_warps=config.num_warps, prefetch=config.prefetch, hints=hints,
                     equal=same, median_ms=timed(id_sets, lambda ids, c=config: lookup_with(
                         c, ids, layout, bases, per_rank))["median_ms"]))
@@ -318,8 +313,7 @@ def gpu_markdown(report: dict) -> str:
             for v in r["sweep"]:
                 gbps = r["remote_rows"] * report["row_bytes"] / v["median_ms"] / 1e6
                 extra = "" if "hints" not in v else (
-                    f"{'prefetch ' if v['prefetch'] else ''}"
-                    f"{'line split' if v['hints'].get('line_split') else v['hints'] or 'none'}"
+                    f"{'prefetch ' if v['prefetch'] else ''}{v['hints'] or 'none'}"
                     f"{'' if v['equal'] else ' NOT EQUAL'}")
                 lines.append(f"| {r['rows']:,} | {v['block_rows']} | {v['programs_per_sm']} | "
                              f"{v['num_warps']} | {extra} | {v['median_ms']:.4f} | {gbps:.0f} |")

@@ -137,11 +137,7 @@ HINTS = {"load .cg": {"load_cache": ".cg"}, "load evict_first": {"load_evict": "
          "load .cg + store .cs": {"load_cache": ".cg", "store_cache": ".cs"}}
 LAUNCHES = [kernel.TileConfig(16, 8, 4), kernel.TileConfig(16, 16, 4, True),
             kernel.TileConfig(32, 4, 4), kernel.TileConfig(32, 8, 4, True),
-            kernel.TileConfig(64, 2, 4), kernel.TileConfig(16, 12, 4),
-            kernel.TileConfig(16, 6, 4, line_split=True),
-            kernel.TileConfig(16, 8, 4, line_split=True),
-            kernel.TileConfig(16, 8, 8, line_split=True),
-            kernel.TileConfig(16, 4, 8, line_split=True)]
+            kernel.TileConfig(64, 2, 4), kernel.TileConfig(16, 12, 4)]
 
 
 def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
@@ -156,9 +152,7 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
             for out in ("packed", "bf16"):
                 expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
                 cases = [(f"{c.block_rows}x{c.programs_per_sm}/SM w{c.num_warps}"
-                          f"{' prefetch' if c.prefetch else ''}"
-                          f"{' line split' if c.line_split else ''}", c, "none")
-                         for c in LAUNCHES]
+                          f"{' prefetch' if c.prefetch else ''}", c, "none") for c in LAUNCHES]
                 cases += [(f"16x8/SM w4 {hint}", replace(LAUNCHES[0], **HINTS[hint]), hint)
                           for hint in HINTS]
                 for name, config, hint in cases:

@@ -141,77 +141,6 @@ def _engram_lookup_kernel(
                         STORE_CACHE)
 
 
-@triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
-def _engram_lookup_split_kernel(src, row_ids, dst_rows, out, num_rows, rows_per_rank,
-                                num_programs, BLOCK_R: tl.constexpr, IS_PEER: tl.constexpr,
-                                IS_SORTED: tl.constexpr, IS_BF16: tl.constexpr,
-                                LOAD_CACHE: tl.constexpr = "", LOAD_EVICT: tl.constexpr = "",
-                                STORE_CACHE: tl.constexpr = ""):
-    """264-byte rows (head_dim 256) read as two loads split at the row's second 128-byte line
-    boundary: the words in its first two lines (17-32 of 33, one warp-wide load per row) and
-    the rest (1-16 words, scale bytes included). Each row then asks for exactly its three lines
-    once; the plain kernel asks for the scale bytes' line a second time (3.94 requests a row)."""
-    HEAD_DIM: tl.constexpr = 256
-    ROW_BYTES: tl.constexpr = 264
-    num_tiles = tl.cdiv(num_rows, BLOCK_R)
-    word_a = tl.arange(0, 32)[None, :, None]       # [1, 32, 1] words of the first load
-    word_b = tl.arange(0, 32)[None, :, None]       # [1, 32, 1] offsets of the second
-    byte = tl.arange(0, 8)[None, None, :]          # [1, 1, 8]
-    for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
-        pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        in_range = pos < num_rows
-        row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
-        has_row = row >= 0
-        row = tl.where(has_row, row, 0)
-        if IS_PEER:
-            owner = row // rows_per_rank
-            base = tl.load(src + owner, mask=has_row, other=0)
-            row_ptr = (base.to(tl.pointer_type(tl.uint8))
-                       + (row - owner * rows_per_rank) * ROW_BYTES)
-        else:
-            row_ptr = src + row * ROW_BYTES
-        row_ptr = tl.multiple_of(row_ptr, 8)
-        dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
-        # Words before the second line boundary after the row's start: 17..32.
-        split = ((256 - (row_ptr.to(tl.int64) & 127)) // 8)[:, None, None]
-        word_b_row = split + word_b                 # [BLOCK_R, 32, 1] row word of each entry
-        a = tl.load(row_ptr[:, None, None] + word_a * 8 + byte,
-                    mask=has_row[:, None, None] & (word_a < split), other=0,
-                    cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-        b = tl.load(row_ptr[:, None, None] + word_b_row * 8 + byte,
-                    mask=has_row[:, None, None] & (word_b_row < 33), other=0,
-                    cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-        keep_a = in_range[:, None, None] & (word_a < split)
-        if IS_BF16:
-            # The scale word (row word 32) came with the second load.
-            scale = tl.sum(tl.sum(tl.where(word_b_row == 32,
-                                           b.to(tl.uint64) << (8 * byte).to(tl.uint64), 0),
-                                  axis=2), axis=1)[:, None, None]
-            power = _power_of_two(((scale >> (8 * (word_a // 4)).to(tl.uint64)) & 0xFF)
-                                  .to(tl.int32))
-            real = a.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power
-            row_out = out + dst[:, None, None] * HEAD_DIM
-            tl.store(row_out + word_a * 8 + byte, real.to(tl.bfloat16), mask=keep_a,
-                     cache_modifier=STORE_CACHE)
-            group_b = tl.minimum(word_b_row // 4, 7)
-            power = _power_of_two(((scale >> (8 * group_b).to(tl.uint64)) & 0xFF).to(tl.int32))
-            real = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power
-            tl.store(row_out + word_b_row * 8 + byte, real.to(tl.bfloat16),
-                     mask=in_range[:, None, None] & (word_b_row < 32), cache_modifier=STORE_CACHE)
-        else:
-            row_out = tl.multiple_of(out + dst * ROW_BYTES, 8)[:, None, None]
-            tl.store(row_out + word_a * 8 + byte, a, mask=keep_a, cache_modifier=STORE_CACHE)
-            tl.store(row_out + word_b_row * 8 + byte, b,
-                     mask=in_range[:, None, None] & (word_b_row < 33), cache_modifier=STORE_CACHE)
-
-
-@triton.jit
-def _power_of_two(exponent):
-    """2^(e - 127) in fp32, exactly: e = 0 is the subnormal 2^-127, e = 255 the e8m0 NaN."""
-    bits = tl.where(exponent == 0, 0x400000, tl.where(exponent == 255, 0x7FC00000, exponent << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
     """'hbm', 'host' (pinned small pages), 'host_thp' (registered huge pages) or 'peer'."""
     if peer_bases is not None:
@@ -347,15 +276,11 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   PREFETCH=config.prefetch, ROW_ALIGN=math.gcd(row_bytes_for(head_dim), 8),
                   LOAD_CACHE=config.load_cache, LOAD_EVICT=config.load_evict,
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps)
-    kernel = _engram_lookup_kernel
-    if config.line_split and head_dim == 256:
-        kernel = _engram_lookup_split_kernel
-        for key in ("HEAD_DIM", "SCALE_WORD", "PREFETCH", "ROW_ALIGN"):
-            del launch[key]
     with torch.cuda.device(device):
         try:
-            kernel[(num_programs,)](table if table is not None else peer_bases, ids,
-                                   IS_PEER=peer_bases is not None, **launch)
+            _engram_lookup_kernel[(num_programs,)](
+                table if table is not None else peer_bases, ids,
+                IS_PEER=peer_bases is not None, **launch)
         except ValueError as exc:
             if table is None or table.is_cuda or "cannot be accessed" not in str(exc):
                 raise

@@ -16,10 +16,8 @@ STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
 @dataclass(frozen=True)
 class TileConfig:
     """How one lookup is launched: rows per tile, persistent programs per SM, warps per
-    program, whether the next tile's loads are issued before this tile's stores, the cache
-    hints of the table loads and output stores (PTX cache modifiers / L2 eviction), and
-    whether 264-byte rows are read split at their second 128-byte line boundary (one request
-    per line; `_engram_lookup_split_kernel`, which has no prefetch loop)."""
+    program, whether the next tile's loads are issued before this tile's stores, and the
+    cache hints of the table loads and output stores (PTX cache modifiers / L2 eviction)."""
 
     block_rows: int
     programs_per_sm: int
@@ -28,7 +26,6 @@ class TileConfig:
     load_cache: str = ""
     load_evict: str = ""
     store_cache: str = ""
-    line_split: bool = False
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:

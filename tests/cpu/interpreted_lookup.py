@@ -15,9 +15,8 @@ from engram_ray.reference import lookup_reference, random_table
 
 
 def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
-        block_rows=16, split=False):
-    """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned.
-    split: the line-split kernel (264-byte rows; no prefetch loop)."""
+        block_rows=16):
+    """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned."""
     row_bytes = head_dim + head_dim // 32
     flat = ids.reshape(-1)
     result = torch.empty(flat.numel(), row_bytes if out == "packed" else head_dim,
@@ -27,16 +26,11 @@ def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
     if sort:
         flat, dst = flat.sort()
     programs = 3
-    common = dict(BLOCK_R=block_rows, IS_PEER=peer_rows is not None, IS_SORTED=sort,
-                  IS_BF16=out == "bf16")
-    if split:
-        kernel._engram_lookup_split_kernel[(programs,)](
-            src, flat, dst, result, flat.numel(), peer_rows or 1, programs, **common)
-    else:
-        kernel._engram_lookup_kernel[(programs,)](
-            src, flat, dst, result, flat.numel(), peer_rows or 1, programs,
-            HEAD_DIM=head_dim, SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32],
-            PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), **common)
+    kernel._engram_lookup_kernel[(programs,)](
+        src, flat, dst, result, flat.numel(), peer_rows or 1, programs, HEAD_DIM=head_dim,
+        SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
+        IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
+        PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8))
     return result.view(*ids.shape, -1)
 
 
@@ -48,23 +42,19 @@ def check(head_dim: int, seed: int) -> int:
     # numpy (the interpreter) rounds bf16 subnormals unlike the GPU: keep products normal.
     table[:, head_dim:] = torch.randint(110, 140, (rows, head_dim // 32), dtype=torch.uint8)
     checked = 0
-    # The line-split kernel (264-byte rows) also reads a table view starting at an odd row,
-    # so rows start at every 8-byte offset of a 128-byte line.
-    kernels = [(False, False), (False, True)] + ([(True, False), (True, True)]
-                                                 if head_dim == 256 else [])
-    for (split, view), out, prefetch, sort, tokens, block_rows in itertools.product(
-            kernels, ["packed", "bf16"], [False, True], [False, True], [1, 17, 40], [16, 32]):
-        if split and prefetch:
-            continue
+    # A view from row 1 moves every row by row_bytes (off its usual alignment).
+    for view, out, prefetch, sort, tokens, block_rows in itertools.product(
+            [False, True], ["packed", "bf16"], [False, True], [False, True], [1, 17, 40],
+            [16, 32]):
         source = table[1:] if view else table
         ids = torch.randint(-1, source.shape[0], (tokens, 3))
         ids.view(-1)[0], ids.view(-1)[-1] = source.shape[0] - 1, 0
         got = run(source, ids, head_dim, out, sort=sort, prefetch=prefetch,
-                  block_rows=block_rows, split=split)
+                  block_rows=block_rows)
         expected = lookup_reference(source, ids, head_dim, out)
         if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
-            print(f"MISMATCH split={split} view={view} out={out} prefetch={prefetch} "
-                  f"sort={sort} tokens={tokens} block_rows={block_rows}")
+            print(f"MISMATCH view={view} out={out} prefetch={prefetch} sort={sort} "
+                  f"tokens={tokens} block_rows={block_rows}")
             return 1
         checked += 1
     # Peer: two slices at unrelated (16-byte aligned) addresses, row r on slice r // half.
@@ -72,12 +62,12 @@ def check(head_dim: int, seed: int) -> int:
     slices = [table[:half].clone(), torch.zeros(half, row_bytes, dtype=torch.uint8)]
     slices[1][:rows - half] = table[half:]
     bases = torch.tensor([part.data_ptr() for part in slices], dtype=torch.int64)
-    for out, split in itertools.product(["packed", "bf16"], [False, head_dim == 256]):
+    for out in ["packed", "bf16"]:
         ids = torch.randint(-1, rows, (20, 3))
-        got = run(bases, ids, head_dim, out, peer_rows=half, split=split)
+        got = run(bases, ids, head_dim, out, peer_rows=half)
         if not torch.equal(got.view(torch.uint8),
                            lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
-            print(f"MISMATCH peer out={out} split={split}")
+            print(f"MISMATCH peer out={out}")
             return 1
         checked += 1
     print(f"ok head_dim={head_dim} cases={checked}")

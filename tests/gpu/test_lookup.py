@@ -221,31 +221,3 @@ def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
                         out=out, block_rows=tile[0], prefetch=tile[1])
     _assert_bitwise(got, expected)
 
-
-
-@pytest.mark.parametrize("block_rows,num_warps", [(16, 4), (16, 8), (32, 8)])
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("where", ["hbm", "hbm-odd-view", "host", "peer-one-gpu"])
-def test_line_split_kernel(hbm_table, host_table, where, out, block_rows, num_warps,
-                           monkeypatch):
-    """264-byte rows read split at their second 128-byte line (TileConfig.line_split): bit-exact
-    wherever rows start (a view from an odd row shifts every row by 8 bytes), ~1M rows."""
-    from engram_ray.kernels import lookup as kernel
-    config = kernel.TileConfig(block_rows, 8, num_warps, line_split=True)
-    for placement in kernel.PLACEMENTS:
-        monkeypatch.setitem(kernel.TILE_CONFIGS, placement,
-                            {**kernel.TILE_CONFIGS[placement], block_rows: config})
-    table = {"hbm": hbm_table, "hbm-odd-view": hbm_table[1:], "host": host_table,
-             "peer-one-gpu": hbm_table}[where]
-    ids = _row_ids((43691, 24), hash(("split", where, out, block_rows, num_warps)) % 2**31)
-    ids = ids.remainder(table.shape[0]).where(ids >= 0, ids)
-    into = _poisoned((43691, 24), out)
-    if where == "peer-one-gpu":
-        bases = torch.tensor([piece.data_ptr() for piece in hbm_table.split(ROWS_PER_RANK)],
-                             device="cuda:0")
-        got = _lookup(row_ids=ids, peer_bases=bases, rows_per_rank=ROWS_PER_RANK, out=out,
-                      block_rows=block_rows, into=into)
-    else:
-        got = _lookup(row_ids=ids, table=table, out=out, block_rows=block_rows, into=into,
-                      sort_rows=where == "host")
-    _assert_bitwise(got, lookup_reference(table, ids, HEAD_DIM, out=out))
