@@ -64,12 +64,29 @@ class LocalDeployment:
         self.ray_address = None
 
     # --- life cycle ----------------------------------------------------------------------
-    def clean_stale(self) -> None:
-        """Remove what an interrupted run may have left: store folders, shm slices, targets."""
+    def clean_stale(self, refuse_live: bool = True) -> None:
+        """Remove what an interrupted run may have left: store folders, shm slices, targets.
+
+        Shared-memory slices of this deployment's name that a live process still maps or holds
+        open belong to a running deployment, not an interrupted one: with `refuse_live` nothing
+        is removed and the error names the processes; without (when stopping), those slices
+        are left and named in the log."""
         dep = self.config.deployment
-        shutil.rmtree(os.path.join(dep.peer_group_store, dep.name), ignore_errors=True)
         shm_dir = os.environ.get("ENGRAM_RAY_SHM_DIR", "/dev/shm")
-        for path in glob.glob(os.path.join(shm_dir, f"engram-ray-{dep.name}-*")):
+        slices = glob.glob(os.path.join(shm_dir, f"engram-ray-{dep.name}-*"))
+        users = processes_using(slices)
+        if users and refuse_live:
+            raise EngramRayError(
+                f"deployment {dep.name!r} is in use: process(es) {sorted(users)} hold its "
+                f"shared-memory slices in {shm_dir} ({len(slices)} files); stop that run first "
+                f"(Ctrl-C where it runs) or start this one with another --workdir and deployment "
+                "name. Nothing was removed")
+        if users:
+            log(f"left {len(slices)} shared-memory slices in {shm_dir}: still held by process(es) "
+                f"{sorted(users)}")
+            return
+        shutil.rmtree(os.path.join(dep.peer_group_store, dep.name), ignore_errors=True)
+        for path in slices:
             os.unlink(path)
         targets = self.config.serving.prometheus_targets_file
         if os.path.exists(targets):
@@ -196,7 +213,33 @@ class LocalDeployment:
         finally:
             ray.shutdown()
             self._ray_started = False
-            self.clean_stale()
+            self.clean_stale(refuse_live=False)
+
+
+def processes_using(paths: list[str]) -> set[int]:
+    """Ids of live processes other than this one that map or hold open any of `paths`
+    (/proc/<pid>/maps and /proc/<pid>/fd; processes this user may not inspect are skipped)."""
+    wanted = {os.path.realpath(path) for path in paths}
+    users: set[int] = set()
+    if not wanted:
+        return users
+    for proc in glob.glob("/proc/[0-9]*"):
+        pid = int(os.path.basename(proc))
+        if pid == os.getpid():
+            continue
+        try:
+            with open(os.path.join(proc, "maps")) as maps:
+                if any(line.split(None, 5)[-1].rstrip("\n").removesuffix(" (deleted)") in wanted
+                       for line in maps if line.count(" ") >= 5):
+                    users.add(pid)
+                    continue
+            for fd in os.listdir(os.path.join(proc, "fd")):
+                if os.readlink(os.path.join(proc, "fd", fd)) in wanted:
+                    users.add(pid)
+                    break
+        except OSError:  # gone, or not ours to inspect
+            continue
+    return users
 
 
 def load_serve_config_from(doc: dict):
