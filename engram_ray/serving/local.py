@@ -67,24 +67,21 @@ class LocalDeployment:
     def clean_stale(self, refuse_live: bool = True) -> None:
         """Remove what an interrupted run may have left: store folders, shm slices, targets.
 
-        Shared-memory slices of this deployment's name that a live process still maps or holds
-        open belong to a running deployment, not an interrupted one: with `refuse_live` nothing
-        is removed and the error names the processes; without (when stopping), those slices
-        are left and named in the log."""
+        Before a start (`refuse_live`), shared-memory slices of this deployment's name that a
+        live process still maps or holds open belong to a running deployment, not an
+        interrupted one: nothing is removed and the error names the processes. When this run
+        stops, its own engine processes may still be exiting: everything is removed (a mapped
+        file's memory goes once its last mapping does)."""
         dep = self.config.deployment
         shm_dir = os.environ.get("ENGRAM_RAY_SHM_DIR", "/dev/shm")
         slices = glob.glob(os.path.join(shm_dir, f"engram-ray-{dep.name}-*"))
-        users = processes_using(slices)
-        if users and refuse_live:
+        users = processes_using(slices) if refuse_live else set()
+        if users:
             raise EngramRayError(
                 f"deployment {dep.name!r} is in use: process(es) {sorted(users)} hold its "
                 f"shared-memory slices in {shm_dir} ({len(slices)} files); stop that run first "
                 f"(Ctrl-C where it runs) or start this one with another --workdir and deployment "
                 "name. Nothing was removed")
-        if users:
-            log(f"left {len(slices)} shared-memory slices in {shm_dir}: still held by process(es) "
-                f"{sorted(users)}")
-            return
         shutil.rmtree(os.path.join(dep.peer_group_store, dep.name), ignore_errors=True)
         for path in slices:
             os.unlink(path)

@@ -55,13 +55,23 @@ def test_a_live_runs_slices_are_refused_and_kept(local, how):
                                                  r".*Nothing was removed"):
             deployment.clean_stale()
         assert all(p.exists() for p in slices) and os.path.isdir(store)
-        deployment.clean_stale(refuse_live=False)   # stopping: leave them, say so
-        assert all(p.exists() for p in slices)
     finally:
         holder.kill()
         holder.communicate()
     deployment.clean_stale()                        # the holder is gone: stale, removed
     assert not any(p.exists() for p in slices) and not os.path.exists(store)
+
+
+def test_stopping_removes_its_own_slices_while_still_held(local):
+    """stop() runs while this run's engine processes may still be exiting."""
+    deployment, slices, store = local
+    holder = _hold(slices[0], "map")
+    try:
+        deployment.clean_stale(refuse_live=False)
+        assert not any(p.exists() for p in slices) and not os.path.exists(store)
+    finally:
+        holder.kill()
+        holder.communicate()
 
 
 def test_nothing_held_is_cleaned(local):
