@@ -23,6 +23,7 @@ from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPS
 from engram_ray.errors import EngramRayError
 from engram_ray.metrics import EngineIdentity, EngineMetrics
 from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
+from engram_ray.serving.kv_cache import engine_capacity, probe_engine_kwargs
 
 APP_CONFIG_KEY = "engram_app"
 
@@ -67,23 +68,6 @@ class EngramStatLogger:
         pass
 
 
-def kv_cache_capacity(vllm_config) -> tuple[int, int]:
-    """(bytes, tokens) of the KV cache: blocks * block_size tokens, each token
-    2 (K and V; 1 for MLA, whose latent is one vector) * layers * kv_heads * head_size *
-    element bytes. NOTES: a model with extra per-layer caches (DeepSeek-V4.1's compressor
-    caches) is not counted here; the engine's own kv_cache_config would be exact."""
-    import torch
-
-    cache, model, parallel = (vllm_config.cache_config, vllm_config.model_config,
-                              vllm_config.parallel_config)
-    tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
-    dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, "uint8")
-    num_tensors = 1 if getattr(model, "use_mla", False) else 2
-    per_token = (num_tensors * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
-                 * model.get_head_size() * torch.empty((), dtype=dtype).element_size())
-    return tokens * per_token, tokens
-
-
 class EngramServerMixin:
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
@@ -119,8 +103,10 @@ class EngramServerMixin:
             "advertise_host": ray.util.get_node_ip_address(),
             "target_file": self._model_target_file}
         # Not engine_kwargs[...] = ...: LLMConfig caches its engine config (a copy of
-        # engine_kwargs) before start(); update_engine_kwargs updates both.
-        self._llm_config.update_engine_kwargs(additional_config=additional)
+        # engine_kwargs) before start(); update_engine_kwargs updates both. The KV-cache probe
+        # lets the replica read the workers' exact KV-cache bytes (engram_ray.serving.kv_cache).
+        self._llm_config.update_engine_kwargs(
+            additional_config=additional, **probe_engine_kwargs(self._llm_config.engine_kwargs))
         # Table, host and gain bytes are not set from the plan here: the model process
         # reports what its tables really allocated (an engine that never got its peer-group
         # settings then shows no split instead of the planned one).
@@ -139,7 +125,7 @@ class EngramServerMixin:
             raise
         self.engram_metrics.set_group(a["generation_index"], True,
                                       rendezvous_seconds=time.perf_counter() - joined_at)
-        self._attach_stat_logger()
+        await self._attach_stat_logger()
         await self._register_model_process_target()
         await self._registry.ready.remote(self._replica_id)
 
@@ -151,16 +137,18 @@ class EngramServerMixin:
                 target = json.load(f)["target"]
             await self._registry.register_target.remote(f"{self._replica_id}/model", target)
 
-    def _attach_stat_logger(self) -> None:
+    async def _attach_stat_logger(self) -> None:
+        """KV-cache capacity (`self.kv_cache_capacity`, its source in the replica's log) and
+        the stat logger that turns vLLM's usage into headroom."""
         client = getattr(self.engine, "_engine_client", None)
         manager = getattr(client, "logger_manager", None)
         if client is None:
             return
-        capacity_bytes, capacity_tokens = kv_cache_capacity(client.vllm_config)
-        self.engram_metrics.set_kv_cache(capacity_bytes, capacity_tokens, 0.0)
+        self.kv_cache_capacity = capacity = await engine_capacity(client)
+        self.engram_metrics.set_kv_cache(capacity.capacity_bytes, capacity.capacity_tokens, 0.0)
         if manager is not None:
-            manager.stat_loggers.append(
-                EngramStatLogger(self.engram_metrics, capacity_bytes, capacity_tokens))
+            manager.stat_loggers.append(EngramStatLogger(
+                self.engram_metrics, capacity.capacity_bytes, capacity.capacity_tokens))
 
     async def check_health(self) -> None:
         await super().check_health()

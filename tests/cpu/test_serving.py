@@ -233,7 +233,7 @@ def test_kv_cache_capacity_counts_k_and_v_but_one_latent_for_mla():
 
     import torch
 
-    from engram_ray.serving.server import kv_cache_capacity
+    from engram_ray.serving.kv_cache import formula_capacity
 
     def config(use_mla):
         model = SimpleNamespace(dtype=torch.bfloat16, use_mla=use_mla,
@@ -243,5 +243,5 @@ def test_kv_cache_capacity_counts_k_and_v_but_one_latent_for_mla():
                                                             cache_dtype="auto"),
                                model_config=model, parallel_config=None)
 
-    assert kv_cache_capacity(config(False)) == (160 * 2 * 4 * 2 * 64 * 2, 160)
-    assert kv_cache_capacity(config(True)) == (160 * 1 * 4 * 2 * 64 * 2, 160)
+    assert formula_capacity(config(False)) == (160 * 2 * 4 * 2 * 64 * 2, 160)
+    assert formula_capacity(config(True)) == (160 * 1 * 4 * 2 * 64 * 2, 160)
