@@ -131,10 +131,12 @@ class EngramServerMixin:
 
     async def _register_model_process_target(self) -> None:
         """The model process's lookup metrics endpoint, if it started one
-        (`engram_ray.serving.exposition.start_process_metrics`)."""
+        (`engram_ray.serving.exposition.start_process_metrics`). The file only hands the
+        address over: removed once read, so no replica leaves one behind."""
         if os.path.exists(self._model_target_file):
             with open(self._model_target_file) as f:
                 target = json.load(f)["target"]
+            os.unlink(self._model_target_file)
             await self._registry.register_target.remote(f"{self._replica_id}/model", target)
 
     async def _attach_stat_logger(self) -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -234,6 +235,9 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
     assert not (local.workdir / "store" / "local").exists()
     assert not local.targets_file.exists()
+    # Model processes hand their metrics address over in a file each replica removes once read.
+    handoff = Path(tempfile.gettempdir(), "engram-ray", "model-targets")
+    assert handoff.is_dir() and not list(handoff.glob("*.json"))
     host, port = local.ray_address.rsplit(":", 1)
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=2).close()
