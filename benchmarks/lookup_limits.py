@@ -43,16 +43,22 @@ LARGE_ROWS = (262152, 1572864)   # 10923 and 65536 tokens x 24 columns
 @triton.jit(do_not_specialize=["num_rows", "num_programs"])
 def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.constexpr,
                         MAIN_WORDS: tl.constexpr, TAIL_WORDS: tl.constexpr,
-                        ALIGN: tl.constexpr, BLOCK_R: tl.constexpr):
+                        ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
+                        FROM_ADDRESS: tl.constexpr = False):
     """out[i] = XOR of the 8-byte words of chunk row_ids[i] (bytes [id * STRIDE, + 8 x
-    (MAIN_WORDS + TAIL_WORDS))): every chunk byte is read, 8 bytes per id are written."""
+    (MAIN_WORDS + TAIL_WORDS))): every chunk byte is read, 8 bytes per id are written.
+    FROM_ADDRESS: `src` is an int64 device address (another GPU's memory, peer-mapped)."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     words = tl.arange(0, MAIN_WORDS)
+    if FROM_ADDRESS:
+        base = src.to(tl.pointer_type(tl.uint8))
+    else:
+        base = src
     for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
         pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         in_range = pos < num_rows
         row = tl.load(row_ids + pos, mask=in_range, other=0)
-        ptr = tl.multiple_of((src + row * STRIDE).to(tl.pointer_type(tl.uint64)), ALIGN)
+        ptr = tl.multiple_of((base + row * STRIDE).to(tl.pointer_type(tl.uint64)), ALIGN)
         acc = tl.xor_sum(tl.load(ptr[:, None] + words[None, :], mask=in_range[:, None],
                                  other=0), axis=1)
         if TAIL_WORDS > 0:
@@ -71,9 +77,11 @@ def gather_read(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, strid
         raise ValueError(f"chunk {chunk}: words beyond the power of two must be a power of two")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = max(1, min(triton.cdiv(ids.numel(), block_rows), num_sms * per_sm))
-    _gather_read_kernel[(programs,)](table, ids, out, ids.numel(), programs, STRIDE=stride,
-                                     MAIN_WORDS=main, TAIL_WORDS=tail, ALIGN=align,
-                                     BLOCK_R=block_rows, num_warps=4)
+    remote = table.device != ids.device     # another GPU's memory: pass its address
+    _gather_read_kernel[(programs,)](table.data_ptr() if remote else table, ids, out,
+                                     ids.numel(), programs, STRIDE=stride, MAIN_WORDS=main,
+                                     TAIL_WORDS=tail, ALIGN=align, BLOCK_R=block_rows,
+                                     FROM_ADDRESS=remote, num_warps=4)
 
 
 def sectors(chunk: int, stride: int) -> float:
@@ -174,6 +182,37 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
     return found
 
 
+PEER_READS = [("256 B, sequential", 256, 256, 16, True), ("256 B", 256, 256, 16, False),
+              ("264-B rows (packed Engram)", 264, 264, 8, False), ("512 B", 512, 512, 16, False),
+              ("4 KiB", 4096, 4096, 16, False)]
+
+
+def peer_reads(gib: int, budget_s: float, num_ids: int) -> tuple[list[dict], float]:
+    """GPU 0's SMs reading GPU 1's memory over NVLink (peer access), one chunk per id, against
+    the copy engines' GPU1 -> GPU0 copy: what SM loads can pull over the link."""
+    from lookup_timing import copy_ceilings
+    ceiling = copy_ceilings()["p2p_GBps"]
+    remote = torch.empty(gib * GIB, dtype=torch.uint8, device="cuda:1")
+    remote.random_()
+    out = torch.empty(num_ids, dtype=torch.int64, device="cuda:0")
+    generator = torch.Generator(device="cuda:0").manual_seed(9)
+    found = []
+    for label, stride, chunk, align, sequential in PEER_READS:
+        rows = remote.numel() // stride
+        count = min(num_ids, rows)
+        ids = [torch.arange(count, device="cuda:0") if sequential else
+               torch.randint(0, rows, (count,), generator=generator, device="cuda:0")
+               for k in range(4)]
+        for per_sm in (4, 8, 16):
+            t = timed(lambda i: gather_read(remote, ids[i % 4], out[:count], stride, chunk,
+                                            align, 16, per_sm), budget_s)
+            rate = count * chunk / t["median_ms"] / 1e6
+            found.append({"case": label, "programs_per_sm": per_sm, **t, "chunk_GBps": rate,
+                          "pct_peer_copy": 100 * rate / ceiling})
+            print(json.dumps(found[-1]), flush=True)
+    return found, ceiling
+
+
 WINDOWS = [256 << 10, 2 << 20, 16 << 20, 128 << 20, 1 << 30, None]
 
 
@@ -250,7 +289,7 @@ def ncu_launches(gib: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["hbm", "hints", "host"],
-                        choices=["hbm", "hints", "host"])
+                        choices=["hbm", "hints", "host", "peer"])
     parser.add_argument("--hbm-gib", type=int, default=16)
     parser.add_argument("--host-gib", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=0.25)
@@ -280,6 +319,11 @@ def main() -> None:
             report["lookup_variants"] = lookup_variants(table, args.budget_s)
         del table
         torch.cuda.empty_cache()
+    if "peer" in args.parts:
+        from engram_ray.kernels.lookup import enable_peer_access
+        enable_peer_access(0, 1)
+        report["peer_reads"], report["peer_copy_GBps"] = peer_reads(8, args.budget_s,
+                                                                    LARGE_ROWS[1])
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     if "host" in args.parts:
@@ -318,6 +362,15 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['rows']} | {r['out']} | {r['variant']} | "
                          f"{r['equal_to_default']} | {r['median_ms']:.4f} | {r['p99_ms']:.4f} | "
                          f"{r['GBps']:.0f} | {100 * r['GBps'] / seq['copy_GBps']:.0f}% |")
+        lines.append("")
+    if "peer_reads" in report:
+        lines += ["## GPU 0's SMs reading GPU 1's memory (NVLink), one chunk per id", "",
+                  f"% = of the copy engines' GPU1 -> GPU0 copy, {report['peer_copy_GBps']:.0f} "
+                  "GB/s", "", "| chunk | programs/SM | median ms | GB/s | % peer copy |",
+                  "|---|---|---|---|---|"]
+        for r in report["peer_reads"]:
+            lines.append(f"| {r['case']} | {r['programs_per_sm']} | {r['median_ms']:.4f} | "
+                         f"{r['chunk_GBps']:.0f} | {r['pct_peer_copy']:.0f}% |")
         lines.append("")
     if "host_windows" in report:
         info = report["host_info"]
