@@ -143,7 +143,9 @@ SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
                          (16, 4, 4), (16, 8, 4), (16, 12, 4), (16, 16, 4))]
 # The committed 16-row peer launch with the kernel's cache hints (kernels/lookup_policy.py).
 HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
-              {"store_cache": ".cs"}]
+              {"store_cache": ".cs"}, {"rows_32": True},
+              {"rows_32": True, "programs_per_sm": 12, "prefetch": False},
+              {"rows_32": True, "programs_per_sm": 8, "prefetch": False}]
 
 
 def lookup_with(config, ids, layout, bases, per_rank):

@@ -42,7 +42,7 @@ _HOST_POINTERS_OK = [True]
 def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
                HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
                IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
-               LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr):
+               LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr):
     """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
@@ -54,7 +54,10 @@ def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
     has_row = row >= 0
     row = tl.where(has_row, row, 0)
     if IS_PEER:
-        owner = row // rows_per_rank
+        if ROWS_32:  # every row id < 2^31: a 32-bit division, not a 64-bit one
+            owner = (row.to(tl.int32) // rows_per_rank).to(tl.int64)
+        else:
+            owner = row // rows_per_rank
         base = tl.load(src + owner, mask=has_row, other=0)
         row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
     else:
@@ -115,6 +118,7 @@ def _engram_lookup_kernel(
     LOAD_CACHE: tl.constexpr = "",   # table loads' cache modifier ("" or ".cg": L2 only)
     LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
+    ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
@@ -123,12 +127,12 @@ def _engram_lookup_kernel(
     if PREFETCH:
         dst, in_range, values, word = _load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
             next_dst, next_in_range, next_values, next_word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
             _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
                         STORE_CACHE)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
@@ -136,7 +140,7 @@ def _engram_lookup_kernel(
         for tile in tl.range(tile, num_tiles, num_programs):
             dst, in_range, values, word = _load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
             _store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
                         STORE_CACHE)
 
@@ -275,7 +279,9 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   BLOCK_R=config.block_rows, IS_SORTED=bool(sort_rows), IS_BF16=out == "bf16",
                   PREFETCH=config.prefetch, ROW_ALIGN=math.gcd(row_bytes_for(head_dim), 8),
                   LOAD_CACHE=config.load_cache, LOAD_EVICT=config.load_evict,
-                  STORE_CACHE=config.store_cache, num_warps=config.num_warps)
+                  STORE_CACHE=config.store_cache, num_warps=config.num_warps,
+                  ROWS_32=peer_bases is not None and config.rows_32
+                  and (rows_per_rank or 1) * peer_bases.numel() < 2**31)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

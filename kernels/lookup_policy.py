@@ -26,6 +26,7 @@ class TileConfig:
     load_cache: str = ""
     load_evict: str = ""
     store_cache: str = ""
+    rows_32: bool = False
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:

@@ -15,7 +15,7 @@ from engram_ray.reference import lookup_reference, random_table
 
 
 def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
-        block_rows=16):
+        block_rows=16, rows_32=False):
     """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned."""
     row_bytes = head_dim + head_dim // 32
     flat = ids.reshape(-1)
@@ -30,7 +30,7 @@ def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
         src, flat, dst, result, flat.numel(), peer_rows or 1, programs, HEAD_DIM=head_dim,
         SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
         IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
-        PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8))
+        PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), ROWS_32=rows_32)
     return result.view(*ids.shape, -1)
 
 
@@ -62,12 +62,12 @@ def check(head_dim: int, seed: int) -> int:
     slices = [table[:half].clone(), torch.zeros(half, row_bytes, dtype=torch.uint8)]
     slices[1][:rows - half] = table[half:]
     bases = torch.tensor([part.data_ptr() for part in slices], dtype=torch.int64)
-    for out in ["packed", "bf16"]:
+    for out, rows_32 in itertools.product(["packed", "bf16"], [False, True]):
         ids = torch.randint(-1, rows, (20, 3))
-        got = run(bases, ids, head_dim, out, peer_rows=half)
+        got = run(bases, ids, head_dim, out, peer_rows=half, rows_32=rows_32)
         if not torch.equal(got.view(torch.uint8),
                            lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
-            print(f"MISMATCH peer out={out}")
+            print(f"MISMATCH peer out={out} rows_32={rows_32}")
             return 1
         checked += 1
     print(f"ok head_dim={head_dim} cases={checked}")

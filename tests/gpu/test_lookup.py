@@ -221,3 +221,18 @@ def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
                         out=out, block_rows=tile[0], prefetch=tile[1])
     _assert_bitwise(got, expected)
 
+
+
+@pytest.mark.parametrize("out", OUTS)
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
+def test_peer_slices_with_32_bit_owner_division(hbm_table, out, tile, monkeypatch):
+    """TileConfig.rows_32: the owner of each row by a 32-bit division (all ids < 2^31)."""
+    from dataclasses import replace
+
+    from engram_ray.kernels import lookup as kernel
+    monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
+        rows: replace(config, rows_32=True) for rows, config in kernel.TILE_CONFIGS["peer"].items()})
+    slices = list(hbm_table.split(ROWS_PER_RANK))
+    bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
+    _check(hbm_table, (43691, 24), out, seed=hash(("rows32", out, tile)) % 2**31,
+           peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
