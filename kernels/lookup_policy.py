@@ -16,8 +16,10 @@ STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
 @dataclass(frozen=True)
 class TileConfig:
     """How one lookup is launched: rows per tile, persistent programs per SM, warps per
-    program, whether the next tile's loads are issued before this tile's stores, and the
-    cache hints of the table loads and output stores (PTX cache modifiers / L2 eviction)."""
+    program, whether the next tile's loads are issued before this tile's stores, the cache
+    hints of the table loads and output stores (PTX cache modifiers / L2 eviction), and, for
+    peer tables, whether each row's owner is found by a 32-bit division (used only where
+    rows_per_rank x P < 2^31; else 64-bit)."""
 
     block_rows: int
     programs_per_sm: int
@@ -48,12 +50,15 @@ class TileConfig:
 # host tables, the size from which sorting the ids first won. With a grid of 8 programs per SM,
 # 16-row tiles keep as many rows in flight as one 128-row tile per SM and were never slower by
 # more than noise in HBM, over NVLink or from THP host memory; with vLLM's one program per SM,
-# 128-row tiles are 2.7x faster (the sweep has both). Sorted lookups of a small-page host
+# 128-row tiles are 2.7x faster (the sweep has both). Peer launches find each row's owner by a
+# 32-bit division where every id fits (2% faster over NVLink, 301 vs 294 GB/s at 1M rows,
+# results/peer_gpu_small_h200x2_c241878.md). Sorted lookups of a small-page host
 # table between 64K and 1M rows were 4-18% faster with 128-row tiles (1M and up: 5-13% slower).
 NEVER = 1 << 62
 TILE_CONFIGS = {
     "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8, prefetch=True)},
-    "peer": {16: TileConfig(16, 16, 4, True), 128: TileConfig(128, 1, 8, True)},
+    "peer": {16: TileConfig(16, 16, 4, True, rows_32=True),
+             128: TileConfig(128, 1, 8, True, rows_32=True)},
     "host": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 8, 8, True)},
     "host_thp": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 1, 8, True)},
 }

@@ -225,14 +225,17 @@ def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
 
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
-def test_peer_slices_with_32_bit_owner_division(hbm_table, out, tile, monkeypatch):
-    """TileConfig.rows_32: the owner of each row by a 32-bit division (all ids < 2^31)."""
+def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatch):
+    """The committed peer launches divide in 32 bits (TileConfig.rows_32); the 64-bit division
+    (ids of 2^31 and more) stays bit-exact too."""
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
+    assert all(c.rows_32 for c in kernel.TILE_CONFIGS["peer"].values())
     monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
-        rows: replace(config, rows_32=True) for rows, config in kernel.TILE_CONFIGS["peer"].items()})
+        rows: replace(config, rows_32=False)
+        for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     slices = list(hbm_table.split(ROWS_PER_RANK))
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
-    _check(hbm_table, (43691, 24), out, seed=hash(("rows32", out, tile)) % 2**31,
+    _check(hbm_table, (43691, 24), out, seed=hash(("rows64", out, tile)) % 2**31,
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
