@@ -53,10 +53,12 @@ class EngineAssignment:
         """Bytes of the rows this rank owns (padding of the last rank not included)."""
         return sum(s.num_bytes for s in self.slices)
 
-    def peer_group_spec(self, timeout_s: float):
+    def peer_group_spec(self, timeout_s: float, handle_type: str | None = None):
+        """This member's PeerGroupSpec; `handle_type` is the deployment's request, if any."""
         from engram_ray.table import PeerGroupSpec
         return PeerGroupSpec(size=self.size, rank=self.rank, store_dir=self.store_dir,
-                             generation=self.generation, timeout_s=timeout_s)
+                             generation=self.generation, timeout_s=timeout_s,
+                             handle_type=handle_type)
 
 
 def generation_id(deployment: str, group_id: str, index: int, token: str) -> str:

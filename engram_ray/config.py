@@ -99,6 +99,10 @@ class DeploymentConfig(_Section):
         "must be one shared path for every host of a multi-host NVLink domain")
     table_backend: str = _field("cuda", "peer memory backend: 'cuda' (HBM slices, CUDA VMM "
                                         "handles) or 'shm' (host shared memory, CPU tests)")
+    handle_type: str | None = _field(
+        None, "CUDA handle type of the slices: 'fabric' (IMEX; the only one across hosts), "
+              "'posix_fd' (one host), or unset: each group picks the first every member can use "
+              "(table_backend cuda only)")
     fill: str = _field("synthetic", "table contents: 'synthetic' (deterministic rows) or "
                                     "'checkpoint' (the model's Engram weights)")
     checkpoint: str | None = _field(None, "checkpoint folder when fill is 'checkpoint'")
@@ -132,6 +136,13 @@ class DeploymentConfig(_Section):
             _check_number(name, getattr(self, name), minimum=0, exclusive=True)
         _check_number("num_cpus_per_engine", self.num_cpus_per_engine, minimum=0)
         _check_choice("table_backend", self.table_backend, TABLE_BACKENDS)
+        if self.handle_type is not None:
+            from engram_ray.peer.handle_types import HANDLE_TYPES
+            _check_choice("handle_type", self.handle_type, HANDLE_TYPES)
+            if self.table_backend != "cuda":
+                raise ConfigError("handle_type", f"is {self.handle_type!r} with table_backend "
+                                  f"{self.table_backend!r}", "unset: handle types are CUDA's "
+                                  "(table_backend cuda)")
         _check_choice("fill", self.fill, FILLS)
         if self.num_gpus_per_engine not in (0, 1) or isinstance(self.num_gpus_per_engine, bool):
             raise ConfigError("num_gpus_per_engine", f"is {self.num_gpus_per_engine!r}",

@@ -53,7 +53,8 @@ class GroupMember:
             self._assignment, self._wanted_generation = assignment, assignment.generation
         try:
             tables = open_group_tables(
-                self.layout, assignment.peer_group_spec(self.config.rendezvous_timeout_s),
+                self.layout, assignment.peer_group_spec(self.config.rendezvous_timeout_s,
+                                                        self.config.handle_type),
                 backend=self.config.table_backend, device=self.config.table_device,
                 fill=self.config.fill, seed=self.config.seed, checkpoint=self.config.checkpoint)
             check_slices(tables, assignment)

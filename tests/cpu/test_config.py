@@ -38,6 +38,8 @@ def test_config_is_frozen():
     (dict(num_gpus_per_engine=0), "table_backend"),
     (dict(domain_label_key=""), "domain_label_key"),
     (dict(max_peer_groups=0), "max_peer_groups"),
+    (dict(handle_type="nvlink"), "handle_type"),
+    (dict(handle_type="posix_fd", table_backend="shm", num_gpus_per_engine=0), "handle_type"),
 ])
 def test_invalid_values_name_the_field(changes, field):
     with pytest.raises(ConfigError) as info:

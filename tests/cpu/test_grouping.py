@@ -113,6 +113,8 @@ def test_assignments_cover_every_row_once():
         assert slices[0].end - slices[0].start == rows_per_rank(rows, 3)
     spec = assignments[2].peer_group_spec(timeout_s=5)
     assert (spec.size, spec.rank, spec.generation) == (3, 2, "t-A-g0.1.x")
+    assert spec.handle_type is None
+    assert assignments[2].peer_group_spec(5, "posix_fd").handle_type == "posix_fd"
 
 
 def test_store_dirs_are_private_and_never_reused(tmp_path):
