@@ -118,7 +118,8 @@ class GroupRegistry:
         return {"group_id": group.group_id, "rank": base, "member_rank": member,
                 "size": dep.peer_group_size, "generation": gen.generation,
                 "generation_index": gen.index, "store": gen.store_dir,
-                "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend}
+                "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend,
+                "handle_type": dep.handle_type}
 
     def _new_generation_locked(self, group: _Group, reason: str) -> _Generation:
         dep = self.config.deployment

@@ -68,6 +68,16 @@ class EngramStatLogger:
         pass
 
 
+def peer_group_settings(assignment: dict) -> dict:
+    """`additional_config.engram_peer_group` of a replica from its registry assignment
+    (`engram_ray.models.peer_settings`); a handle type only when the deployment requests one."""
+    keys = ("size", "store", "rank", "generation", "timeout_s", "backend")
+    settings = {key: assignment[key] for key in keys}
+    if assignment.get("handle_type") is not None:
+        settings["handle_type"] = assignment["handle_type"]
+    return settings
+
+
 class EngramServerMixin:
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
@@ -96,8 +106,7 @@ class EngramServerMixin:
         self._model_target_file = os.path.join(
             tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
         additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
-        additional["engram_peer_group"] = {k: a[k] for k in ("size", "store", "rank",
-                                                             "generation", "timeout_s", "backend")}
+        additional["engram_peer_group"] = peer_group_settings(a)
         additional[PROCESS_METRICS_KEY] = {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),

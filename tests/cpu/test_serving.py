@@ -9,7 +9,8 @@ import pytest
 
 from engram_ray.serve import engine_kwargs, llm_config
 from engram_ray.serving.cluster_configs import load_serve_config
-from engram_ray.serving.server import APP_CONFIG_KEY, EngramDPServer, EngramLLMServer
+from engram_ray.serving.server import (APP_CONFIG_KEY, EngramDPServer, EngramLLMServer,
+                                       peer_group_settings)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 
@@ -51,6 +52,20 @@ class _Unreachable:
 
     def _raise(self):
         raise self._error
+
+
+def test_replica_peer_settings_carry_a_requested_handle_type():
+    """A deployment's handle_type reaches the engine's `additional_config.engram_peer_group`
+    (validated there: CUDA types need backend cuda); none is passed when unset."""
+    from engram_ray.models.peer_settings import PeerGroupSettings
+
+    assignment = {"group_id": "A-g0", "rank": 1, "member_rank": 1, "size": 2,
+                  "generation": "t-A-g0.1.x", "generation_index": 1, "store": "/tmp/s",
+                  "timeout_s": 30.0, "backend": "cuda", "handle_type": "posix_fd"}
+    settings = peer_group_settings(assignment)
+    assert settings["handle_type"] == "posix_fd"
+    assert PeerGroupSettings(**settings).to_spec().handle_type == "posix_fd"
+    assert "handle_type" not in peer_group_settings({**assignment, "handle_type": None})
 
 
 def test_liveness_watch_takes_only_a_dead_actor_for_dead():
@@ -95,6 +110,7 @@ def test_registry_hands_out_ranks_and_restarts_a_group_when_a_member_dies(ray_lo
     assert [a["rank"] for a in first] == [0, 1]
     assert {a["generation"] for a in first} == {first[0]["generation"]}
     assert Path(first[0]["store"]).is_dir() and first[0]["backend"] == "shm"
+    assert first[0]["handle_type"] is None
     with pytest.raises(ray.exceptions.RayTaskError, match="found no free rank"):
         ray.get(registry.join.remote("m2", members[2]))
     ray.get(registry.register_target.remote("m0", "127.0.0.1:1"))
