@@ -150,14 +150,11 @@ HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
 
 def lookup_with(config, ids, layout, bases, per_rank):
     """engram_lookup with `config` as the peer launch for its tile rows (restored after)."""
-    from engram_ray.kernels import lookup as kernel
-    saved = dict(kernel.TILE_CONFIGS["peer"])
-    kernel.TILE_CONFIGS["peer"][config.block_rows] = config
-    try:
-        return kernel.engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
-                                    rows_per_rank=per_rank, block_rows=config.block_rows)
-    finally:
-        kernel.TILE_CONFIGS["peer"] = saved
+    from engram_ray.kernels.lookup import engram_lookup
+    from lookup_timing import launch_config
+    with launch_config("peer", config):
+        return engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
+                             rows_per_rank=per_rank, block_rows=config.block_rows)
 
 
 def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[dict]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -33,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engram_ray.host_memory import allocate_host_table, huge_page_bytes  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
-from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random, stats,  # noqa: E402
-                           time_launches)
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # noqa: E402
+                           launch_config, stats, time_launches)
 
 SECTOR = 32
 LARGE_ROWS = (262152, 1572864)   # 10923 and 65536 tokens x 24 columns
@@ -86,7 +87,7 @@ def gather_read(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, strid
 
 def sectors(chunk: int, stride: int) -> float:
     """Mean 32-byte sectors a chunk at offset id * stride touches (ids uniform)."""
-    period = SECTOR // __import__("math").gcd(stride, SECTOR)
+    period = SECTOR // math.gcd(stride, SECTOR)
     offsets = [(i * stride) % SECTOR for i in range(period)]
     return sum(-(-(o + chunk) // SECTOR) for o in offsets) / period
 
@@ -152,33 +153,28 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
     """Each launch, the first with each hint; outputs checked equal to the default launch's."""
     found = []
     generator = torch.Generator(device="cuda:0").manual_seed(11)
-    saved = dict(kernel.TILE_CONFIGS["hbm"])
-    try:
-        for num_rows in LARGE_ROWS:
-            ids = [torch.randint(0, table.shape[0], (num_rows // NUM_COLS, NUM_COLS),
-                                 generator=generator, device="cuda:0") for _ in range(4)]
-            for out in ("packed", "bf16"):
-                expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
-                cases = [(f"{c.block_rows}x{c.programs_per_sm}/SM w{c.num_warps}"
-                          f"{' prefetch' if c.prefetch else ''}", c, "none") for c in LAUNCHES]
-                cases += [(f"16x8/SM w4 {hint}", replace(LAUNCHES[0], **HINTS[hint]), hint)
-                          for hint in HINTS]
-                for name, config, hint in cases:
-                    kernel.TILE_CONFIGS["hbm"][config.block_rows] = config
+    for num_rows in LARGE_ROWS:
+        ids = [torch.randint(0, table.shape[0], (num_rows // NUM_COLS, NUM_COLS),
+                             generator=generator, device="cuda:0") for _ in range(4)]
+        for out in ("packed", "bf16"):
+            expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
+            cases = [(f"{c.block_rows}x{c.programs_per_sm}/SM w{c.num_warps}"
+                      f"{' prefetch' if c.prefetch else ''}", c, "none") for c in LAUNCHES]
+            cases += [(f"16x8/SM w4 {hint}", replace(LAUNCHES[0], **HINTS[hint]), hint)
+                      for hint in HINTS]
+            for name, config, hint in cases:
+                with launch_config("hbm", config):
                     got = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out,
                                                block_rows=config.block_rows)
                     equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
                     t = timed(lambda i: kernel.engram_lookup(
                         ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
                         block_rows=config.block_rows), budget_s)
-                    moved = num_rows * (ROW_BYTES + (ROW_BYTES if out == "packed" else 512))
-                    found.append({"rows": num_rows, "out": out, "variant": name, "hint": hint,
-                                  "equal_to_default": equal, **t,
-                                  "GBps": moved / t["median_ms"] / 1e6})
-                    print(json.dumps(found[-1]), flush=True)
-                    kernel.TILE_CONFIGS["hbm"] = dict(saved)
-    finally:
-        kernel.TILE_CONFIGS["hbm"] = saved
+                moved = num_rows * (ROW_BYTES + (ROW_BYTES if out == "packed" else 512))
+                found.append({"rows": num_rows, "out": out, "variant": name, "hint": hint,
+                              "equal_to_default": equal, **t,
+                              "GBps": moved / t["median_ms"] / 1e6})
+                print(json.dumps(found[-1]), flush=True)
     return found
 
 

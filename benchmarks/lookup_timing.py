@@ -6,6 +6,7 @@ a sleep kernel, so launches queue up and Python launch overhead stays out of the
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -60,6 +61,17 @@ def time_launches(fn, *, budget_s: float, min_reps: int = 10, max_reps: int = 20
         end.record()
     torch.cuda.synchronize()
     return [begin.elapsed_time(end) for begin, end in events]
+
+
+@contextlib.contextmanager
+def launch_config(placement: str, config: kernel.TileConfig):
+    """Lookups of `placement` with `config.block_rows` rows use `config` inside the block."""
+    saved = kernel.TILE_CONFIGS[placement]
+    kernel.TILE_CONFIGS[placement] = {**saved, config.block_rows: config}
+    try:
+        yield config
+    finally:
+        kernel.TILE_CONFIGS[placement] = saved
 
 
 def stats(times: list[float]) -> dict:
