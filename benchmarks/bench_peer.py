@@ -145,7 +145,11 @@ SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
 HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
               {"store_cache": ".cs"}, {"rows_32": True},
               {"rows_32": True, "programs_per_sm": 12, "prefetch": False},
-              {"rows_32": True, "programs_per_sm": 8, "prefetch": False}]
+              {"rows_32": True, "programs_per_sm": 8, "prefetch": False},
+              {"sector_split": True}, {"sector_split": True, "prefetch": False},
+              {"sector_split": True, "programs_per_sm": 12, "prefetch": False},
+              {"sector_split": True, "programs_per_sm": 24},
+              {"sector_split": True, "programs_per_sm": 8, "prefetch": False}]
 
 
 def lookup_with(config, ids, layout, bases, per_rank):

@@ -10,8 +10,13 @@ Measures, on the table layouts the lookup benchmark uses (benchmarks/bench_looku
 - host tables on small pages and on transparent huge pages: lookups whose ids fall inside a
   window of 256 KiB .. the whole table (GPU address translation reach), and small lookups of
   16- and 128-row tiles timed interleaved (the policy's noise floor).
+- `fetch`: the same lookups (HBM; half-remote peer lookups too where 2 GPUs are present) and
+  264-byte random reads under each L2 fetch granularity the CUDA context allows
+  (`cudaLimitMaxL2FetchGranularity`: a per-process hint, 32/64/128 bytes): does fetching only
+  the 32-byte sectors a row touches (288 B per 264-byte row instead of five 64-byte units) help?
 `--ncu` runs one launch of each kind between cudaProfilerStart/Stop for Nsight Compute
-(`ncu --profile-from-start off ...`): DRAM bytes per looked-up row.
+(`ncu --profile-from-start off ...`): DRAM bytes per looked-up row (`--l2-fetch` sets the
+granularity first).
 Usage: python benchmarks/lookup_limits.py --json R.json --md R.md [--parts hbm hints host]
 """
 
@@ -45,10 +50,12 @@ LARGE_ROWS = (262152, 1572864)   # 10923 and 65536 tokens x 24 columns
 def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.constexpr,
                         MAIN_WORDS: tl.constexpr, TAIL_WORDS: tl.constexpr,
                         ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                        FROM_ADDRESS: tl.constexpr = False):
+                        FROM_ADDRESS: tl.constexpr = False, SPLIT: tl.constexpr = False):
     """out[i] = XOR of the 8-byte words of chunk row_ids[i] (bytes [id * STRIDE, + 8 x
     (MAIN_WORDS + TAIL_WORDS))): every chunk byte is read, 8 bytes per id are written.
-    FROM_ADDRESS: `src` is an int64 device address (another GPU's memory, peer-mapped)."""
+    FROM_ADDRESS: `src` is an int64 device address (another GPU's memory, peer-mapped).
+    SPLIT (33-word chunks): two loads split at the chunk's first 32-byte sector boundary, as
+    the lookup kernel's `sector_split` peer loads, instead of 32 words + the last one."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     words = tl.arange(0, MAIN_WORDS)
     if FROM_ADDRESS:
@@ -60,9 +67,19 @@ def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.co
         in_range = pos < num_rows
         row = tl.load(row_ids + pos, mask=in_range, other=0)
         ptr = tl.multiple_of((base + row * STRIDE).to(tl.pointer_type(tl.uint64)), ALIGN)
-        acc = tl.xor_sum(tl.load(ptr[:, None] + words[None, :], mask=in_range[:, None],
-                                 other=0), axis=1)
-        if TAIL_WORDS > 0:
+        if SPLIT:
+            head_words = (4 - (ptr.to(tl.int64) // 8) % 4)[:, None]
+            lane4 = tl.arange(0, 4)[None, :]
+            acc = tl.xor_sum(tl.load(ptr[:, None] + lane4, mask=in_range[:, None] & (
+                lane4 < head_words), other=0), axis=1)
+            acc ^= tl.xor_sum(tl.load(ptr[:, None] + head_words + words[None, :],
+                                      mask=in_range[:, None] & (words[None, :] < MAIN_WORDS
+                                                                + TAIL_WORDS - head_words),
+                                      other=0), axis=1)
+        else:
+            acc = tl.xor_sum(tl.load(ptr[:, None] + words[None, :], mask=in_range[:, None],
+                                     other=0), axis=1)
+        if TAIL_WORDS > 0 and not SPLIT:
             tail = tl.arange(0, TAIL_WORDS)
             acc ^= tl.xor_sum(tl.load(ptr[:, None] + MAIN_WORDS + tail[None, :],
                                       mask=in_range[:, None], other=0), axis=1)
@@ -70,19 +87,22 @@ def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.co
 
 
 def gather_read(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, stride: int,
-                chunk: int, align: int, block_rows: int = 16, per_sm: int = 8) -> None:
+                chunk: int, align: int, block_rows: int = 16, per_sm: int = 8,
+                split: bool = False) -> None:
     words = chunk // 8
     main = 1 << (words.bit_length() - 1)
     tail = words - main
     if tail & (tail - 1):
         raise ValueError(f"chunk {chunk}: words beyond the power of two must be a power of two")
+    if split and (words != 33 or align != 8):
+        raise ValueError(f"split reads are for 264-byte rows (8-byte aligned); chunk {chunk}")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = max(1, min(triton.cdiv(ids.numel(), block_rows), num_sms * per_sm))
     remote = table.device != ids.device     # another GPU's memory: pass its address
     _gather_read_kernel[(programs,)](table.data_ptr() if remote else table, ids, out,
                                      ids.numel(), programs, STRIDE=stride, MAIN_WORDS=main,
                                      TAIL_WORDS=tail, ALIGN=align, BLOCK_R=block_rows,
-                                     FROM_ADDRESS=remote, num_warps=4)
+                                     FROM_ADDRESS=remote, SPLIT=split, num_warps=4)
 
 
 def sectors(chunk: int, stride: int) -> float:
@@ -114,6 +134,7 @@ def sequential_ceilings(budget_s: float) -> dict:
 RANDOM_READS = [("sector 32 B", 32, 32, 16), ("64 B", 64, 64, 16), ("128 B", 128, 128, 16),
                 ("256 B, 16-B loads", 256, 256, 16), ("256 B, 8-B loads", 256, 256, 8),
                 ("264-B rows (packed Engram), 8-B loads", 264, 264, 8),
+                ("264-B rows, loads split at a sector boundary", 264, 264, 8),
                 ("272-B stride, 16-B loads", 272, 272, 16), ("288 B (9 sectors)", 288, 288, 32),
                 ("512 B", 512, 512, 16), ("1 KiB", 1024, 1024, 16), ("4 KiB", 4096, 4096, 16)]
 
@@ -130,7 +151,7 @@ def random_reads(table: torch.Tensor, budget_s: float, num_ids: int) -> list[dic
             if chunk * block_rows > 64 * 1024:
                 continue
             t = timed(lambda i: gather_read(table, ids[i % 4], out, stride, chunk, align,
-                                            block_rows, per_sm), budget_s)
+                                            block_rows, per_sm, "split" in label), budget_s)
             ms = t["median_ms"]
             found.append({"case": label, "stride": stride, "chunk": chunk, "align": align,
                           "block_rows": block_rows, "programs_per_sm": per_sm, **t,
@@ -179,7 +200,9 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
 
 
 PEER_READS = [("256 B, sequential", 256, 256, 16, True), ("256 B", 256, 256, 16, False),
-              ("264-B rows (packed Engram)", 264, 264, 8, False), ("512 B", 512, 512, 16, False),
+              ("264-B rows (packed Engram)", 264, 264, 8, False),
+              ("264-B rows, loads split at a sector boundary", 264, 264, 8, False),
+              ("512 B", 512, 512, 16, False),
               ("4 KiB", 4096, 4096, 16, False)]
 
 
@@ -201,12 +224,92 @@ def peer_reads(gib: int, budget_s: float, num_ids: int) -> tuple[list[dict], flo
                for k in range(4)]
         for per_sm in (4, 8, 16):
             t = timed(lambda i: gather_read(remote, ids[i % 4], out[:count], stride, chunk,
-                                            align, 16, per_sm), budget_s)
+                                            align, 16, per_sm, "split" in label), budget_s)
             rate = count * chunk / t["median_ms"] / 1e6
             found.append({"case": label, "programs_per_sm": per_sm, **t, "chunk_GBps": rate,
                           "pct_peer_copy": 100 * rate / ceiling})
             print(json.dumps(found[-1]), flush=True)
     return found, ceiling
+
+
+FETCH_BYTES = (32, 64, 128)
+FETCH_ROUNDS = 2
+
+
+def l2_fetch(device: int, value: int | None = None) -> int:
+    """Set (value given) and read back this process's L2 fetch granularity on `device`."""
+    from cuda.bindings import runtime as cudart
+    limit = cudart.cudaLimit.cudaLimitMaxL2FetchGranularity
+    (err,) = cudart.cudaSetDevice(device)
+    if value is not None:
+        (err,) = cudart.cudaDeviceSetLimit(limit, value)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaDeviceSetLimit(MaxL2FetchGranularity, {value}): {err}")
+    err, found = cudart.cudaDeviceGetLimit(limit)
+    return int(found)
+
+
+def fetch_granularity(table: torch.Tensor, budget_s: float, peer_gib: int) -> tuple[list, dict]:
+    """Lookups, 264-byte random reads (and half-remote peer lookups) under each granularity,
+    rounds interleaved; outputs checked equal to the ones under the driver's default."""
+    devices = list(range(min(2, torch.cuda.device_count()))) if peer_gib else [0]
+    default = {d: l2_fetch(d) for d in devices}
+    info = {"default_bytes": default}
+    peer = None
+    if peer_gib and len(devices) == 2:
+        from lookup_timing import Table, copy_ceilings
+        info["p2p_GBps"] = copy_ceilings()["p2p_GBps"]
+        peer = Table("peer", peer_gib)
+    generator = torch.Generator(device="cuda:0").manual_seed(13)
+    cases = []
+    for num_rows in LARGE_ROWS[-1:] + (1048576,):
+        for name, source in (("hbm", table), ("peer", peer)):
+            if source is None:
+                continue
+            rows = source.shape[0] if name == "hbm" else source.num_rows
+            ids = [torch.randint(0, rows, (num_rows // NUM_COLS, NUM_COLS),
+                                 generator=generator, device="cuda:0") for _ in range(4)]
+            for out in ("packed", "bf16"):
+                cases.append((name, source, ids, out))
+    flat = table.view(-1)
+    gather_ids = [torch.randint(0, flat.numel() // ROW_BYTES, (LARGE_ROWS[1],),
+                                generator=generator, device="cuda:0") for _ in range(4)]
+    words = torch.empty(LARGE_ROWS[1], dtype=torch.int64, device="cuda:0")
+    expected = {}
+    for name, source, ids, out in cases:
+        expected[(name, ids[0].numel(), out)] = lookup_of(name, source, ids[0], out)
+    found = []
+    for rnd in range(FETCH_ROUNDS):
+        for value in (None,) + FETCH_BYTES:
+            applied = {d: l2_fetch(d, default[d] if value is None else value) for d in devices}
+            label = f"default ({applied[0]} B)" if value is None else f"{applied[0]} B"
+            t = timed(lambda i: gather_read(flat, gather_ids[i % 4], words, ROW_BYTES,
+                                            ROW_BYTES, 8), budget_s)
+            found.append({"round": rnd, "fetch": label, "case": "random 264-B reads (hbm)",
+                          **t, "GBps": LARGE_ROWS[1] * ROW_BYTES / t["median_ms"] / 1e6})
+            print(json.dumps(found[-1]), flush=True)
+            for name, source, ids, out in cases:
+                num_rows = ids[0].numel()
+                equal = torch.equal(lookup_of(name, source, ids[0], out).view(torch.uint8),
+                                    expected[(name, num_rows, out)].view(torch.uint8))
+                t = timed(lambda i: lookup_of(name, source, ids[i % 4], out), budget_s)
+                written = ROW_BYTES if out == "packed" else 2 * HEAD_DIM
+                row = {"round": rnd, "fetch": label, "case": f"{name} lookup", "rows": num_rows,
+                       "out": out, "equal_to_default": equal, **t,
+                       "GBps": num_rows * (ROW_BYTES + written) / t["median_ms"] / 1e6}
+                if name == "peer":
+                    row["remote_GBps"] = num_rows / 2 * ROW_BYTES / t["median_ms"] / 1e6
+                found.append(row)
+                print(json.dumps(found[-1]), flush=True)
+    for d in devices:
+        l2_fetch(d, default[d])
+    return found, info
+
+
+def lookup_of(name: str, source, ids: torch.Tensor, out: str) -> torch.Tensor:
+    if name == "hbm":
+        return kernel.engram_lookup(ids, head_dim=HEAD_DIM, table=source, out=out)
+    return source.lookup(ids, out=out)
 
 
 WINDOWS = [256 << 10, 2 << 20, 16 << 20, 128 << 20, 1 << 30, None]
@@ -255,8 +358,10 @@ def host_translation(gib: int, budget_s: float) -> tuple[list[dict], dict]:
     return found, info
 
 
-def ncu_launches(gib: int) -> None:
+def ncu_launches(gib: int, fetch: int | None) -> None:
     """One launch of each measured kind inside cudaProfilerStart/Stop (compiled before)."""
+    if fetch is not None:
+        print("L2 fetch granularity", l2_fetch(0, fetch), file=sys.stderr)
     table = torch.empty(gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
     fill_random(table, 3)
     flat = table.view(-1)
@@ -285,17 +390,21 @@ def ncu_launches(gib: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["hbm", "hints", "host"],
-                        choices=["hbm", "hints", "host", "peer"])
+                        choices=["hbm", "hints", "host", "peer", "fetch"])
     parser.add_argument("--hbm-gib", type=int, default=16)
     parser.add_argument("--host-gib", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=0.25)
     parser.add_argument("--ncu", action="store_true", help="launches for Nsight Compute only")
+    parser.add_argument("--l2-fetch", type=int, choices=FETCH_BYTES,
+                        help="with --ncu: L2 fetch granularity to set first")
+    parser.add_argument("--peer-gib", type=int, default=8,
+                        help="with --parts fetch on 2 GPUs: GiB of each peer slice")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--md", type=Path)
     args = parser.parse_args()
     torch.cuda.set_device(0)
     if args.ncu:
-        ncu_launches(min(args.hbm_gib, 4))
+        ncu_launches(min(args.hbm_gib, 4), args.l2_fetch)
         return
     props = torch.cuda.get_device_properties(0)
     report = {"environment": {
@@ -305,7 +414,7 @@ def main() -> None:
         "triton": triton.__version__}}
     report["sequential"] = sequential_ceilings(args.budget_s)
     print("sequential", report["sequential"], flush=True)
-    if "hbm" in args.parts or "hints" in args.parts:
+    if {"hbm", "hints", "fetch"} & set(args.parts):
         table = torch.empty(args.hbm_gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8,
                             device="cuda:0")
         fill_random(table, 0)
@@ -313,6 +422,9 @@ def main() -> None:
             report["random_reads"] = random_reads(table.view(-1), args.budget_s, LARGE_ROWS[1])
         if "hints" in args.parts:
             report["lookup_variants"] = lookup_variants(table, args.budget_s)
+        if "fetch" in args.parts:
+            report["fetch"], report["fetch_info"] = fetch_granularity(table, args.budget_s,
+                                                                      args.peer_gib)
         del table
         torch.cuda.empty_cache()
     if "peer" in args.parts:
@@ -367,6 +479,23 @@ def markdown(report: dict) -> str:
         for r in report["peer_reads"]:
             lines.append(f"| {r['case']} | {r['programs_per_sm']} | {r['median_ms']:.4f} | "
                          f"{r['chunk_GBps']:.0f} | {r['pct_peer_copy']:.0f}% |")
+        lines.append("")
+    if "fetch" in report:
+        info = report["fetch_info"]
+        lines += ["## L2 fetch granularity (cudaLimitMaxL2FetchGranularity)", "",
+                  f"driver default: {info['default_bytes']}; GB/s = rows x (264 read + output "
+                  "written) / median (lookups), 264 x ids / median (reads); remote GB/s = "
+                  "half the rows x 264 / median"
+                  + (f"; peer copy {info['p2p_GBps']:.0f} GB/s" if "p2p_GBps" in info else ""),
+                  "", "| round | fetch | case | rows | out | equal | median ms | p99 ms | GB/s "
+                  "| % copy | remote GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in report["fetch"]:
+            remote = (f"{r['remote_GBps']:.0f} ({100 * r['remote_GBps'] / info['p2p_GBps']:.0f}%)"
+                      if "remote_GBps" in r else "")
+            lines.append(f"| {r['round']} | {r['fetch']} | {r['case']} | {r.get('rows', '')} | "
+                         f"{r.get('out', '')} | {r.get('equal_to_default', '')} | "
+                         f"{r['median_ms']:.4f} | {r['p99_ms']:.4f} | {r['GBps']:.0f} | "
+                         f"{100 * r['GBps'] / seq['copy_GBps']:.0f}% | {remote} |")
         lines.append("")
     if "host_windows" in report:
         info = report["host_info"]

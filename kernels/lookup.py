@@ -36,6 +36,8 @@ OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
 SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 # Non-empty while Triton accepts pinned host tensors as pointers (it resolves their UVA address).
 _HOST_POINTERS_OK = [True]
+# TileConfig.sector_split applies to rows of this head_dim (264 bytes = 33 eight-byte words).
+SECTOR_SPLIT_HEAD_DIM = 256
 
 
 @triton.jit
@@ -72,6 +74,81 @@ def _load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
 
 
 @triton.jit
+def _power_of_two(exponent):
+    """2^(e - 127) as fp32 for ue8m0 exponents (int32): e = 0 is the subnormal 2^-127, e = 255
+    the e8m0 NaN; exact, so value x power rounds once (fp32 -> bf16, RNE)."""
+    bits = tl.where(exponent == 0, 0x400000, tl.where(exponent == 255, 0x7FC00000, exponent << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
+                     IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr,
+                     ROWS_32: tl.constexpr):
+    """Peer tables of 264-byte rows (33 words): each row as two loads split at a 32-byte sector
+    boundary, `head` = its 1-4 words before the boundary, `body` = the other 29-32 (the
+    scale word among them), so no 32-byte sector is asked for twice (9 sectors a row instead
+    of 9-10 with a values load and a separate scale-word load; remote sectors cross NVLink
+    once each). Returns (output rows, in range, head words per row, head [R, 4], body [R, 32])."""
+    pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    in_range = pos < num_rows
+    row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
+    has_row = row >= 0
+    row = tl.where(has_row, row, 0)
+    if ROWS_32:
+        owner = (row.to(tl.int32) // rows_per_rank).to(tl.int64)
+    else:
+        owner = row // rows_per_rank
+    address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
+    head_words = 4 - (address // 8) % 4
+    words = tl.multiple_of(address.to(tl.pointer_type(tl.uint64)), 8)
+    lane4 = tl.arange(0, 4)[None, :]
+    lane = tl.arange(0, 32)[None, :]
+    head = tl.load(words[:, None] + lane4, mask=has_row[:, None] & (lane4 < head_words[:, None]),
+                   other=0, cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    body = tl.load(words[:, None] + head_words[:, None] + lane,
+                   mask=has_row[:, None] & (lane < 33 - head_words[:, None]), other=0,
+                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
+    return dst, in_range, head_words, head, body
+
+
+@triton.jit
+def _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16: tl.constexpr,
+                      STORE_CACHE: tl.constexpr):
+    """Write what `_load_tile_split` loaded: packed (the two pieces where they belong) or bf16
+    (each word's 8 values times its group's scale; the scale word is body word 32 - head)."""
+    lane4 = tl.arange(0, 4)[None, :]
+    lane = tl.arange(0, 32)[None, :]
+    head_words = head_words[:, None]
+    if IS_BF16:
+        scales = tl.sum(tl.where(lane == 32 - head_words, body, 0), axis=1)[:, None]
+        byte = (tl.arange(0, 8) * 8).to(tl.uint64)[None, None, :]
+        out_row = out + dst[:, None, None] * 256 + tl.arange(0, 8)[None, None, :]
+        # head: words 0..3 of the row, all in scale group 0
+        power = _power_of_two((scales & 0xFF).to(tl.int32))[:, :, None]
+        real = ((head[:, :, None] >> byte) & 0xFF).to(tl.uint8).to(
+            tl.float8e4nv, bitcast=True).to(tl.float32) * power
+        tl.store(out_row + lane4[:, :, None] * 8, real.to(tl.bfloat16),
+                 mask=(in_range[:, None] & (lane4 < head_words))[:, :, None],
+                 cache_modifier=STORE_CACHE)
+        # body: words head..31 of the row (word w in scale group w // 4), then the scale word
+        word = head_words + lane
+        group = tl.minimum(word, 31) // 4  # word 32 (the scale word) is not stored
+        exponent = ((scales >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32)
+        real = ((body[:, :, None] >> byte) & 0xFF).to(tl.uint8).to(
+            tl.float8e4nv, bitcast=True).to(tl.float32) * _power_of_two(exponent)[:, :, None]
+        tl.store(out_row + word[:, :, None] * 8, real.to(tl.bfloat16),
+                 mask=(in_range[:, None] & (word < 32))[:, :, None], cache_modifier=STORE_CACHE)
+    else:
+        out_words = (out + dst * 264).to(tl.pointer_type(tl.uint64))[:, None]
+        tl.store(out_words + lane4, head, mask=in_range[:, None] & (lane4 < head_words),
+                 cache_modifier=STORE_CACHE)
+        tl.store(out_words + head_words + lane, body,
+                 mask=in_range[:, None] & (lane < 33 - head_words), cache_modifier=STORE_CACHE)
+
+
+@triton.jit
 def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
                 SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
                 STORE_CACHE: tl.constexpr):
@@ -84,9 +161,7 @@ def _store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
         # the subnormal 2^-127, e = 255 the e8m0 NaN), one rounding fp32 -> bf16 (RNE).
         shift = (group * 8).to(SCALE_WORD)[None, :]
         exponent = ((word[:, None] >> shift) & 0xFF).to(tl.int32)
-        power_bits = tl.where(exponent == 0, 0x400000,
-                              tl.where(exponent == 255, 0x7FC00000, exponent << 23))
-        power = power_bits.to(tl.float32, bitcast=True)
+        power = _power_of_two(exponent)
         real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
         tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
                  mask=in_range[:, None, None], cache_modifier=STORE_CACHE)
@@ -119,12 +194,34 @@ def _engram_lookup_kernel(
     LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
+    SECTOR_SPLIT: tl.constexpr = False,  # PEER, 264-byte rows: loads split at sector boundaries
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
-    if PREFETCH:
+    if SECTOR_SPLIT:
+        if PREFETCH:
+            dst, in_range, head_words, head, body = _load_tile_split(
+                src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_SORTED,
+                LOAD_CACHE, LOAD_EVICT, ROWS_32)
+            for _ in tl.range(tile, num_tiles, num_programs):
+                tile += num_programs  # past the end: every load of the tile is masked off
+                next_dst, next_in_range, next_head_words, next_head, next_body = \
+                    _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
+                                     BLOCK_R, IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
+                _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
+                                  STORE_CACHE)
+                dst, in_range, head_words = next_dst, next_in_range, next_head_words
+                head, body = next_head, next_body
+        else:
+            for tile in tl.range(tile, num_tiles, num_programs):
+                dst, in_range, head_words, head, body = _load_tile_split(
+                    src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_SORTED,
+                    LOAD_CACHE, LOAD_EVICT, ROWS_32)
+                _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
+                                  STORE_CACHE)
+    elif PREFETCH:
         dst, in_range, values, word = _load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
             BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
@@ -281,7 +378,9 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   LOAD_CACHE=config.load_cache, LOAD_EVICT=config.load_evict,
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
-                  and (rows_per_rank or 1) * peer_bases.numel() < 2**31)
+                  and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
+                  SECTOR_SPLIT=peer_bases is not None and config.sector_split
+                  and head_dim == SECTOR_SPLIT_HEAD_DIM)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

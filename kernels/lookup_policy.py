@@ -19,7 +19,9 @@ class TileConfig:
     program, whether the next tile's loads are issued before this tile's stores, the cache
     hints of the table loads and output stores (PTX cache modifiers / L2 eviction), and, for
     peer tables, whether each row's owner is found by a 32-bit division (used only where
-    rows_per_rank x P < 2^31; else 64-bit)."""
+    rows_per_rank x P < 2^31; else 64-bit) and whether each 264-byte row is loaded in two
+    pieces split at a 32-byte sector boundary, so that no sector crosses NVLink twice (other
+    row widths ignore it)."""
 
     block_rows: int
     programs_per_sm: int
@@ -29,6 +31,7 @@ class TileConfig:
     load_evict: str = ""
     store_cache: str = ""
     rows_32: bool = False
+    sector_split: bool = False
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:

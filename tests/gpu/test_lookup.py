@@ -239,3 +239,46 @@ def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatc
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
     _check(hbm_table, (43691, 24), out, seed=hash(("rows64", out, tile)) % 2**31,
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
+
+
+@pytest.mark.parametrize("shift", [0, 8, 16, 24])
+@pytest.mark.parametrize("out", OUTS)
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
+def test_peer_slices_with_loads_split_at_sectors(hbm_table, shift, out, tile, monkeypatch):
+    """TileConfig.sector_split: each 264-byte row loaded in two pieces cut at a 32-byte sector
+    boundary. Slices start 0, 8, 16 and 24 bytes past a sector boundary, so rows take every
+    cut (1-4 words before it)."""
+    from dataclasses import replace
+
+    from engram_ray.kernels import lookup as kernel
+    monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
+        rows: replace(config, sector_split=True)
+        for rows, config in kernel.TILE_CONFIGS["peer"].items()})
+    buffer = torch.empty(hbm_table.numel() + 64, dtype=torch.uint8, device="cuda:0")
+    start = (-buffer.data_ptr()) % 32 + shift
+    moved = buffer[start:start + hbm_table.numel()].view(-1, ROW_BYTES)
+    moved.copy_(hbm_table)
+    bases = torch.tensor([piece.data_ptr() for piece in moved.split(ROWS_PER_RANK)],
+                         device="cuda:0")
+    assert {base % 32 for base in bases.tolist()} == {shift}
+    for shape in ((1, 17), (43, 3), (43691, 24)):
+        _check(hbm_table, shape, out, seed=hash(("split", shift, out, tile, shape)) % 2**31,
+               peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0],
+               prefetch=tile[1])
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("out", OUTS)
+def test_peer_slices_two_gpus_with_loads_split_at_sectors(hbm_table, two_gpu_slices, out,
+                                                          monkeypatch):
+    from dataclasses import replace
+
+    from engram_ray.kernels import lookup as kernel
+    monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
+        rows: replace(config, sector_split=True)
+        for rows, config in kernel.TILE_CONFIGS["peer"].items()})
+    bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device="cuda:0")
+    ids = _row_ids((43691, 24), hash(("split2", out)) % 2**31)
+    got = _lookup(row_ids=ids, out=out, into=_poisoned((43691, 24), out), peer_bases=bases,
+                  rows_per_rank=ROWS_PER_RANK, block_rows=16)
+    _assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
