@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sector-split peer loads and the L2 fetch granularity on a lent 2-GPU machine, from the
-# repository root. Part `a`: tests/gpu/test_lookup.py (all, or only the split tests with
-# SPLIT_ONLY=1), then lookup_limits.py --parts fetch peer (fetch granularity; SM reads over
+# repository root. Part `a`: tests/gpu/test_lookup.py (all, only the split tests with
+# SPLIT_ONLY=1, or none with SKIP_TESTS=1), then lookup_limits.py --parts fetch peer (fetch granularity; SM reads over
 # NVLink, split and not). Part `b`: bench_peer.py gpu --small (sweep with sector_split) and
 # Nsight Compute's DRAM bytes at L2 fetch granularity 32 B. Files in $OUT.
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_sectors.sh a|b
@@ -11,7 +11,7 @@ R=$PWD
 if [ "${1:-a}" = a ]; then
     t0=$SECONDS
     K=(); [ "${SPLIT_ONLY:-0}" = 1 ] && K=(-k split)
-    (cd /tmp && timeout 300 python3 -m pytest "$R/tests/gpu/test_lookup.py" -m "gpu or multi_gpu" \
+    [ "${SKIP_TESTS:-0}" = 1 ] || (cd /tmp && timeout 300 python3 -m pytest "$R/tests/gpu/test_lookup.py" -m "gpu or multi_gpu" \
         "${K[@]}" -q -p no:cacheprovider -rfEs --rootdir "$R" -c "$R/pyproject.toml") \
         > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"

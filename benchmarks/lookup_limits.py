@@ -240,12 +240,17 @@ def l2_fetch(device: int, value: int | None = None) -> int:
     """Set (value given) and read back this process's L2 fetch granularity on `device`."""
     from cuda.bindings import runtime as cudart
     limit = cudart.cudaLimit.cudaLimitMaxL2FetchGranularity
-    (err,) = cudart.cudaSetDevice(device)
-    if value is not None:
-        (err,) = cudart.cudaDeviceSetLimit(limit, value)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaDeviceSetLimit(MaxL2FetchGranularity, {value}): {err}")
-    err, found = cudart.cudaDeviceGetLimit(limit)
+    torch.cuda.synchronize()
+    _, previous = cudart.cudaGetDevice()
+    cudart.cudaSetDevice(device)
+    try:
+        if value is not None:
+            (err,) = cudart.cudaDeviceSetLimit(limit, value)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaDeviceSetLimit(MaxL2FetchGranularity, {value}): {err}")
+        _, found = cudart.cudaDeviceGetLimit(limit)
+    finally:  # kernels launch on the thread's current device: leave it as it was
+        cudart.cudaSetDevice(previous)
     return int(found)
 
 
