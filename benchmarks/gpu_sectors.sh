@@ -4,7 +4,7 @@
 # SPLIT_ONLY=1, or none with SKIP_TESTS=1), then lookup_limits.py --parts fetch peer (fetch granularity; SM reads over
 # NVLink, split and not). Part `b`: bench_peer.py gpu --small (sweep with sector_split) and
 # Nsight Compute's DRAM bytes at L2 fetch granularity 32 B. Files in $OUT.
-# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_sectors.sh a|b
+# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_sectors.sh a|b  (both in one call: 8 files)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 R=$PWD
@@ -17,21 +17,21 @@ if [ "${1:-a}" = a ]; then
     echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
     t0=$SECONDS
     timeout 280 python3 benchmarks/lookup_limits.py --parts fetch peer --budget-s 0.2 \
-        --json "$OUT/limits.json" --md "$OUT/limits.md" > "$OUT/limits.log" 2>&1
-    echo "limits rc=$? in $((SECONDS - t0)) s"; tail -5 "$OUT/limits.log"; cat "$OUT/limits.md"
+        --json "$OUT/limits.json" --md "$OUT/limits.md" > /tmp/limits.log 2>&1
+    echo "limits rc=$? in $((SECONDS - t0)) s"; tail -5 /tmp/limits.log; cat "$OUT/limits.md"
 else
     t0=$SECONDS
     timeout 330 python3 benchmarks/bench_peer.py gpu --small --budget-s 0.2 \
-        --md "$OUT/peer_gpu.md" --json "$OUT/peer_gpu.json" > "$OUT/bench.log" 2>&1
-    echo "bench rc=$? in $((SECONDS - t0)) s"; grep -v "fill layer" "$OUT/bench.log" | tail -5
+        --md "$OUT/peer_gpu.md" --json "$OUT/peer_gpu.json" > /tmp/bench.log 2>&1
+    echo "bench rc=$? in $((SECONDS - t0)) s"; grep -v "fill layer" /tmp/bench.log | tail -5
     cat "$OUT/peer_gpu.md"
     t0=$SECONDS
     METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
     for f in default 32; do
         A=(); [ $f != default ] && A=(--l2-fetch $f)
         timeout 100 ncu --clock-control none --profile-from-start off --csv --metrics "$METRICS" \
-            python3 benchmarks/lookup_limits.py --ncu "${A[@]}" > "$OUT/ncu_$f.csv" 2> "$OUT/ncu_$f.err"
-        echo "ncu $f rc=$?"; tail -2 "$OUT/ncu_$f.err"
+            python3 benchmarks/lookup_limits.py --ncu "${A[@]}" > "$OUT/ncu_$f.csv" 2>> "$OUT/ncu.err"
+        echo "ncu $f rc=$?"; tail -2 "$OUT/ncu.err"
     done
     echo "ncu in $((SECONDS - t0)) s"
 fi
