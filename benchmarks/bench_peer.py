@@ -146,10 +146,10 @@ HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
               {"store_cache": ".cs"}, {"rows_32": True},
               {"rows_32": True, "programs_per_sm": 12, "prefetch": False},
               {"rows_32": True, "programs_per_sm": 8, "prefetch": False},
-              {"sector_split": True}, {"sector_split": True, "prefetch": False},
-              {"sector_split": True, "programs_per_sm": 12, "prefetch": False},
-              {"sector_split": True, "programs_per_sm": 24},
-              {"sector_split": True, "programs_per_sm": 8, "prefetch": False}]
+              {"split_bytes": 32}, {"split_bytes": 32, "programs_per_sm": 8, "prefetch": False},
+              {"split_bytes": 128}, {"split_bytes": 128, "prefetch": False},
+              {"split_bytes": 128, "programs_per_sm": 8, "prefetch": False},
+              {"split_bytes": 128, "programs_per_sm": 24}]
 
 
 def lookup_with(config, ids, layout, bases, per_rank):

@@ -16,7 +16,7 @@ if [ "${1:-a}" = a ]; then
         > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
     t0=$SECONDS
-    timeout 280 python3 benchmarks/lookup_limits.py --parts fetch peer --budget-s 0.2 \
+    timeout 280 python3 benchmarks/lookup_limits.py --parts ${LIMITS_PARTS:-fetch peer} --budget-s 0.2 \
         --json "$OUT/limits.json" --md "$OUT/limits.md" > /tmp/limits.log 2>&1
     echo "limits rc=$? in $((SECONDS - t0)) s"; tail -5 /tmp/limits.log; cat "$OUT/limits.md"
 else

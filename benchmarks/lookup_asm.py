@@ -27,7 +27,7 @@ SASS_OP = re.compile(r"\b((?:LDG|STG)[\w.]*)")
 
 
 def compile_variant(block_rows: int, is_bf16: bool, is_peer: bool, is_sorted: bool,
-                    prefetch: bool = False, head_dim: int = 256, sector_split: bool = False):
+                    prefetch: bool = False, head_dim: int = 256, split_bytes: int = 0):
     out_type = "*bf16" if is_bf16 else "*u8"
     signature = {"src": "*i64" if is_peer else "*u8", "row_ids": "*i64", "dst_rows": "*i64",
                  "out": out_type, "num_rows": "i32", "rows_per_rank": "i32",
@@ -35,13 +35,13 @@ def compile_variant(block_rows: int, is_bf16: bool, is_peer: bool, is_sorted: bo
                  "BLOCK_R": "constexpr", "IS_PEER": "constexpr", "IS_SORTED": "constexpr",
                  "IS_BF16": "constexpr", "PREFETCH": "constexpr", "ROW_ALIGN": "constexpr",
                  "LOAD_CACHE": "constexpr", "LOAD_EVICT": "constexpr", "STORE_CACHE": "constexpr",
-                 "ROWS_32": "constexpr", "SECTOR_SPLIT": "constexpr"}
+                 "ROWS_32": "constexpr", "SPLIT_WORDS": "constexpr"}
     constexprs = {"HEAD_DIM": head_dim, "SCALE_WORD": SCALE_WORDS[head_dim // 32],
                   "BLOCK_R": block_rows, "IS_PEER": is_peer, "IS_SORTED": is_sorted,
                   "IS_BF16": is_bf16, "PREFETCH": prefetch,
                   "ROW_ALIGN": math.gcd(head_dim + head_dim // 32, 8), "LOAD_CACHE": "",
-                  "LOAD_EVICT": "", "STORE_CACHE": "", "ROWS_32": sector_split,
-                  "SECTOR_SPLIT": sector_split}
+                  "LOAD_EVICT": "", "STORE_CACHE": "", "ROWS_32": bool(split_bytes),
+                  "SPLIT_WORDS": split_bytes // 8}
     # Pointers are 16-byte aligned, as Triton specializes them at launch.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(_engram_lookup_kernel, signature, constexprs, attrs)
@@ -90,13 +90,14 @@ def main() -> None:
             for is_peer, is_sorted, prefetch, split in (
                     (False, False, False, False), (True, False, False, False),
                     (False, True, False, False), (False, False, True, False),
-                    (True, False, False, True), (True, False, True, True)):
+                    (True, False, False, 32), (True, False, True, 32),
+                    (True, False, False, 128), (True, False, True, 128)):
                 kernel = compile_variant(block_rows, is_bf16, is_peer, is_sorted, prefetch,
-                                         sector_split=split)
+                                         split_bytes=split)
                 info, ptx, sass = summarize(kernel)
                 name = (f"lookup_r{block_rows}_{'bf16' if is_bf16 else 'packed'}"
                         f"{'_peer' if is_peer else ''}{'_sorted' if is_sorted else ''}"
-                        f"{'_prefetch' if prefetch else ''}{'_split' if split else ''}")
+                        f"{'_prefetch' if prefetch else ''}{f'_split{split}' if split else ''}")
                 report.append(f"{name} {info}")
                 if (block_rows == 128 and not (is_peer or is_sorted or prefetch)) or (
                         block_rows == 16 and split and prefetch):

@@ -50,12 +50,13 @@ LARGE_ROWS = (262152, 1572864)   # 10923 and 65536 tokens x 24 columns
 def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.constexpr,
                         MAIN_WORDS: tl.constexpr, TAIL_WORDS: tl.constexpr,
                         ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
-                        FROM_ADDRESS: tl.constexpr = False, SPLIT: tl.constexpr = False):
+                        FROM_ADDRESS: tl.constexpr = False, SPLIT_WORDS: tl.constexpr = 0):
     """out[i] = XOR of the 8-byte words of chunk row_ids[i] (bytes [id * STRIDE, + 8 x
     (MAIN_WORDS + TAIL_WORDS))): every chunk byte is read, 8 bytes per id are written.
     FROM_ADDRESS: `src` is an int64 device address (another GPU's memory, peer-mapped).
-    SPLIT (33-word chunks): two loads split at the chunk's first 32-byte sector boundary, as
-    the lookup kernel's `sector_split` peer loads, instead of 32 words + the last one."""
+    SPLIT_WORDS 4/16 (33-word chunks): two loads cut at the chunk's first 32-byte sector /
+    128-byte line boundary, as the lookup kernel's `split_bytes` peer loads, instead of 32
+    words + the last one."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     words = tl.arange(0, MAIN_WORDS)
     if FROM_ADDRESS:
@@ -67,9 +68,9 @@ def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.co
         in_range = pos < num_rows
         row = tl.load(row_ids + pos, mask=in_range, other=0)
         ptr = tl.multiple_of((base + row * STRIDE).to(tl.pointer_type(tl.uint64)), ALIGN)
-        if SPLIT:
-            head_words = (4 - (ptr.to(tl.int64) // 8) % 4)[:, None]
-            lane4 = tl.arange(0, 4)[None, :]
+        if SPLIT_WORDS:
+            head_words = (SPLIT_WORDS - (ptr.to(tl.int64) // 8) % SPLIT_WORDS)[:, None]
+            lane4 = tl.arange(0, SPLIT_WORDS)[None, :]
             acc = tl.xor_sum(tl.load(ptr[:, None] + lane4, mask=in_range[:, None] & (
                 lane4 < head_words), other=0), axis=1)
             acc ^= tl.xor_sum(tl.load(ptr[:, None] + head_words + words[None, :],
@@ -79,7 +80,7 @@ def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.co
         else:
             acc = tl.xor_sum(tl.load(ptr[:, None] + words[None, :], mask=in_range[:, None],
                                      other=0), axis=1)
-        if TAIL_WORDS > 0 and not SPLIT:
+        if TAIL_WORDS > 0 and not SPLIT_WORDS:
             tail = tl.arange(0, TAIL_WORDS)
             acc ^= tl.xor_sum(tl.load(ptr[:, None] + MAIN_WORDS + tail[None, :],
                                       mask=in_range[:, None], other=0), axis=1)
@@ -88,13 +89,13 @@ def _gather_read_kernel(src, row_ids, out, num_rows, num_programs, STRIDE: tl.co
 
 def gather_read(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, stride: int,
                 chunk: int, align: int, block_rows: int = 16, per_sm: int = 8,
-                split: bool = False) -> None:
+                split_bytes: int = 0) -> None:
     words = chunk // 8
     main = 1 << (words.bit_length() - 1)
     tail = words - main
     if tail & (tail - 1):
         raise ValueError(f"chunk {chunk}: words beyond the power of two must be a power of two")
-    if split and (words != 33 or align != 8):
+    if split_bytes and (words != 33 or align != 8):
         raise ValueError(f"split reads are for 264-byte rows (8-byte aligned); chunk {chunk}")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = max(1, min(triton.cdiv(ids.numel(), block_rows), num_sms * per_sm))
@@ -102,7 +103,8 @@ def gather_read(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, strid
     _gather_read_kernel[(programs,)](table.data_ptr() if remote else table, ids, out,
                                      ids.numel(), programs, STRIDE=stride, MAIN_WORDS=main,
                                      TAIL_WORDS=tail, ALIGN=align, BLOCK_R=block_rows,
-                                     FROM_ADDRESS=remote, SPLIT=split, num_warps=4)
+                                     FROM_ADDRESS=remote, SPLIT_WORDS=split_bytes // 8,
+                                     num_warps=4)
 
 
 def sectors(chunk: int, stride: int) -> float:
@@ -110,6 +112,11 @@ def sectors(chunk: int, stride: int) -> float:
     period = SECTOR // math.gcd(stride, SECTOR)
     offsets = [(i * stride) % SECTOR for i in range(period)]
     return sum(-(-(o + chunk) // SECTOR) for o in offsets) / period
+
+
+def split_of(label: str) -> int:
+    """split_bytes of a read case: where its labelled loads are cut."""
+    return 32 if "cut at a sector" in label else 128 if "cut at a line" in label else 0
 
 
 def timed(fn, budget_s: float) -> dict:
@@ -134,7 +141,8 @@ def sequential_ceilings(budget_s: float) -> dict:
 RANDOM_READS = [("sector 32 B", 32, 32, 16), ("64 B", 64, 64, 16), ("128 B", 128, 128, 16),
                 ("256 B, 16-B loads", 256, 256, 16), ("256 B, 8-B loads", 256, 256, 8),
                 ("264-B rows (packed Engram), 8-B loads", 264, 264, 8),
-                ("264-B rows, loads split at a sector boundary", 264, 264, 8),
+                ("264-B rows, loads cut at a sector boundary", 264, 264, 8),
+                ("264-B rows, loads cut at a line boundary", 264, 264, 8),
                 ("272-B stride, 16-B loads", 272, 272, 16), ("288 B (9 sectors)", 288, 288, 32),
                 ("512 B", 512, 512, 16), ("1 KiB", 1024, 1024, 16), ("4 KiB", 4096, 4096, 16)]
 
@@ -151,7 +159,7 @@ def random_reads(table: torch.Tensor, budget_s: float, num_ids: int) -> list[dic
             if chunk * block_rows > 64 * 1024:
                 continue
             t = timed(lambda i: gather_read(table, ids[i % 4], out, stride, chunk, align,
-                                            block_rows, per_sm, "split" in label), budget_s)
+                                            block_rows, per_sm, split_of(label)), budget_s)
             ms = t["median_ms"]
             found.append({"case": label, "stride": stride, "chunk": chunk, "align": align,
                           "block_rows": block_rows, "programs_per_sm": per_sm, **t,
@@ -201,7 +209,8 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
 
 PEER_READS = [("256 B, sequential", 256, 256, 16, True), ("256 B", 256, 256, 16, False),
               ("264-B rows (packed Engram)", 264, 264, 8, False),
-              ("264-B rows, loads split at a sector boundary", 264, 264, 8, False),
+              ("264-B rows, loads cut at a sector boundary", 264, 264, 8, False),
+              ("264-B rows, loads cut at a line boundary", 264, 264, 8, False),
               ("512 B", 512, 512, 16, False),
               ("4 KiB", 4096, 4096, 16, False)]
 
@@ -224,7 +233,7 @@ def peer_reads(gib: int, budget_s: float, num_ids: int) -> tuple[list[dict], flo
                for k in range(4)]
         for per_sm in (4, 8, 16):
             t = timed(lambda i: gather_read(remote, ids[i % 4], out[:count], stride, chunk,
-                                            align, 16, per_sm, "split" in label), budget_s)
+                                            align, 16, per_sm, split_of(label)), budget_s)
             rate = count * chunk / t["median_ms"] / 1e6
             found.append({"case": label, "programs_per_sm": per_sm, **t, "chunk_GBps": rate,
                           "pct_peer_copy": 100 * rate / ceiling})

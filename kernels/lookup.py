@@ -36,8 +36,8 @@ OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
 SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 # Non-empty while Triton accepts pinned host tensors as pointers (it resolves their UVA address).
 _HOST_POINTERS_OK = [True]
-# TileConfig.sector_split applies to rows of this head_dim (264 bytes = 33 eight-byte words).
-SECTOR_SPLIT_HEAD_DIM = 256
+# TileConfig.split_bytes applies to rows of this head_dim (264 bytes = 33 eight-byte words).
+SPLIT_HEAD_DIM = 256
 
 
 @triton.jit
@@ -84,12 +84,13 @@ def _power_of_two(exponent):
 @triton.jit
 def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
                      IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr,
-                     ROWS_32: tl.constexpr):
-    """Peer tables of 264-byte rows (33 words): each row as two loads split at a 32-byte sector
-    boundary, `head` = its 1-4 words before the boundary, `body` = the other 29-32 (the
-    scale word among them), so no 32-byte sector is asked for twice (9 sectors a row instead
-    of 9-10 with a values load and a separate scale-word load; remote sectors cross NVLink
-    once each). Returns (output rows, in range, head words per row, head [R, 4], body [R, 32])."""
+                     ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
+    """Peer tables of 264-byte rows (33 words): each row as two loads cut at its first
+    (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
+    the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
+    no sector is asked for twice; cut at a 128-byte line (16), each of a row's three lines is
+    asked for once (a values load + a scale-word load: up to 4 requests, 10 sectors).
+    Returns (output rows, in range, head words per row, head [R, SPLIT_WORDS], body [R, 32])."""
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
     row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
@@ -100,12 +101,13 @@ def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOC
     else:
         owner = row // rows_per_rank
     address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
-    head_words = 4 - (address // 8) % 4
+    head_words = SPLIT_WORDS - (address // 8) % SPLIT_WORDS
     words = tl.multiple_of(address.to(tl.pointer_type(tl.uint64)), 8)
-    lane4 = tl.arange(0, 4)[None, :]
+    head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
     lane = tl.arange(0, 32)[None, :]
-    head = tl.load(words[:, None] + lane4, mask=has_row[:, None] & (lane4 < head_words[:, None]),
-                   other=0, cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    head = tl.load(words[:, None] + head_lane,
+                   mask=has_row[:, None] & (head_lane < head_words[:, None]), other=0,
+                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
     body = tl.load(words[:, None] + head_words[:, None] + lane,
                    mask=has_row[:, None] & (lane < 33 - head_words[:, None]), other=0,
                    cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
@@ -114,38 +116,38 @@ def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOC
 
 
 @triton.jit
+def _store_words_bf16(out_row, words, first_word, scales, mask):
+    """bf16 of the 8 FP8 values in each of `words` [R, W] (row words first_word + 0..W-1; word
+    w holds values 8w..8w+7, in scale group w // 4) at `out_row` [R, 1, 1] + 8w."""
+    byte = (tl.arange(0, 8) * 8).to(tl.uint64)[None, None, :]
+    group = tl.minimum(first_word, 31) // 4  # word 32 (the scale word) is masked off
+    exponent = ((scales >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32)
+    real = ((words[:, :, None] >> byte) & 0xFF).to(tl.uint8).to(
+        tl.float8e4nv, bitcast=True).to(tl.float32) * _power_of_two(exponent)[:, :, None]
+    tl.store(out_row + first_word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :],
+             real.to(tl.bfloat16), mask=mask[:, :, None])
+
+
+@triton.jit
 def _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16: tl.constexpr,
-                      STORE_CACHE: tl.constexpr):
+                      SPLIT_WORDS: tl.constexpr):
     """Write what `_load_tile_split` loaded: packed (the two pieces where they belong) or bf16
     (each word's 8 values times its group's scale; the scale word is body word 32 - head)."""
-    lane4 = tl.arange(0, 4)[None, :]
+    head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
     lane = tl.arange(0, 32)[None, :]
     head_words = head_words[:, None]
     if IS_BF16:
         scales = tl.sum(tl.where(lane == 32 - head_words, body, 0), axis=1)[:, None]
-        byte = (tl.arange(0, 8) * 8).to(tl.uint64)[None, None, :]
-        out_row = out + dst[:, None, None] * 256 + tl.arange(0, 8)[None, None, :]
-        # head: words 0..3 of the row, all in scale group 0
-        power = _power_of_two((scales & 0xFF).to(tl.int32))[:, :, None]
-        real = ((head[:, :, None] >> byte) & 0xFF).to(tl.uint8).to(
-            tl.float8e4nv, bitcast=True).to(tl.float32) * power
-        tl.store(out_row + lane4[:, :, None] * 8, real.to(tl.bfloat16),
-                 mask=(in_range[:, None] & (lane4 < head_words))[:, :, None],
-                 cache_modifier=STORE_CACHE)
-        # body: words head..31 of the row (word w in scale group w // 4), then the scale word
-        word = head_words + lane
-        group = tl.minimum(word, 31) // 4  # word 32 (the scale word) is not stored
-        exponent = ((scales >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32)
-        real = ((body[:, :, None] >> byte) & 0xFF).to(tl.uint8).to(
-            tl.float8e4nv, bitcast=True).to(tl.float32) * _power_of_two(exponent)[:, :, None]
-        tl.store(out_row + word[:, :, None] * 8, real.to(tl.bfloat16),
-                 mask=(in_range[:, None] & (word < 32))[:, :, None], cache_modifier=STORE_CACHE)
+        out_row = out + dst[:, None, None] * 256
+        _store_words_bf16(out_row, head, head_lane + 0 * head_words, scales,
+                          in_range[:, None] & (head_lane < head_words))
+        _store_words_bf16(out_row, body, head_words + lane, scales,
+                          in_range[:, None] & (head_words + lane < 32))
     else:
         out_words = (out + dst * 264).to(tl.pointer_type(tl.uint64))[:, None]
-        tl.store(out_words + lane4, head, mask=in_range[:, None] & (lane4 < head_words),
-                 cache_modifier=STORE_CACHE)
+        tl.store(out_words + head_lane, head, mask=in_range[:, None] & (head_lane < head_words))
         tl.store(out_words + head_words + lane, body,
-                 mask=in_range[:, None] & (lane < 33 - head_words), cache_modifier=STORE_CACHE)
+                 mask=in_range[:, None] & (lane < 33 - head_words))
 
 
 @triton.jit
@@ -194,33 +196,34 @@ def _engram_lookup_kernel(
     LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
-    SECTOR_SPLIT: tl.constexpr = False,  # PEER, 264-byte rows: loads split at sector boundaries
+    SPLIT_WORDS: tl.constexpr = 0,   # PEER, 264-byte rows: 4/16 = loads cut at a sector/line
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
-    if SECTOR_SPLIT:
+    if SPLIT_WORDS:
         if PREFETCH:
             dst, in_range, head_words, head, body = _load_tile_split(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_SORTED,
-                LOAD_CACHE, LOAD_EVICT, ROWS_32)
+                LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
             for _ in tl.range(tile, num_tiles, num_programs):
                 tile += num_programs  # past the end: every load of the tile is masked off
                 next_dst, next_in_range, next_head_words, next_head, next_body = \
                     _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
-                                     BLOCK_R, IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
+                                     BLOCK_R, IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32,
+                                     SPLIT_WORDS)
                 _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
-                                  STORE_CACHE)
+                                  SPLIT_WORDS)
                 dst, in_range, head_words = next_dst, next_in_range, next_head_words
                 head, body = next_head, next_body
         else:
             for tile in tl.range(tile, num_tiles, num_programs):
                 dst, in_range, head_words, head, body = _load_tile_split(
                     src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_SORTED,
-                    LOAD_CACHE, LOAD_EVICT, ROWS_32)
+                    LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
                 _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
-                                  STORE_CACHE)
+                                  SPLIT_WORDS)
     elif PREFETCH:
         dst, in_range, values, word = _load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
@@ -379,8 +382,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
                   and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
-                  SECTOR_SPLIT=peer_bases is not None and config.sector_split
-                  and head_dim == SECTOR_SPLIT_HEAD_DIM)
+                  SPLIT_WORDS=config.split_bytes // 8
+                  if peer_bases is not None and head_dim == SPLIT_HEAD_DIM else 0)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

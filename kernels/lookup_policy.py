@@ -11,6 +11,7 @@ PLACEMENTS = ("hbm", "host", "host_thp", "peer")
 LOAD_CACHE = ("", ".ca", ".cg", ".cv")
 LOAD_EVICT = ("", "evict_first", "evict_last")
 STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
+SPLIT_BYTES = (0, 32, 128)  # where peer row loads are cut: nowhere, a sector, a line
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,10 @@ class TileConfig:
     program, whether the next tile's loads are issued before this tile's stores, the cache
     hints of the table loads and output stores (PTX cache modifiers / L2 eviction), and, for
     peer tables, whether each row's owner is found by a 32-bit division (used only where
-    rows_per_rank x P < 2^31; else 64-bit) and whether each 264-byte row is loaded in two
-    pieces split at a 32-byte sector boundary, so that no sector crosses NVLink twice (other
-    row widths ignore it)."""
+    rows_per_rank x P < 2^31; else 64-bit) and where each 264-byte peer row's loads are cut:
+    `split_bytes` 0 = one values load + one scale-word load, 32 / 128 = two loads cut at the
+    row's first 32-byte sector / 128-byte line boundary (no sector / no line asked for twice;
+    other row widths ignore it)."""
 
     block_rows: int
     programs_per_sm: int
@@ -31,7 +33,7 @@ class TileConfig:
     load_evict: str = ""
     store_cache: str = ""
     rows_32: bool = False
-    sector_split: bool = False
+    split_bytes: int = 0
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -40,6 +42,8 @@ class TileConfig:
         if self.programs_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"programs_per_sm {self.programs_per_sm} / num_warps "
                              f"{self.num_warps}; expected >= 1 / a power of two <= 16")
+        if self.split_bytes not in SPLIT_BYTES:
+            raise ValueError(f"split_bytes is {self.split_bytes!r}; expected one of {SPLIT_BYTES}")
         for name, value, allowed in (("load_cache", self.load_cache, LOAD_CACHE),
                                      ("load_evict", self.load_evict, LOAD_EVICT),
                                      ("store_cache", self.store_cache, STORE_CACHE)):

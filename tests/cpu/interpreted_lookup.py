@@ -15,7 +15,7 @@ from engram_ray.reference import lookup_reference, random_table
 
 
 def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
-        block_rows=16, rows_32=False, sector_split=False):
+        block_rows=16, rows_32=False, split_bytes=0):
     """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned."""
     row_bytes = head_dim + head_dim // 32
     flat = ids.reshape(-1)
@@ -31,7 +31,7 @@ def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
         SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
         IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
         PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), ROWS_32=rows_32,
-        SECTOR_SPLIT=sector_split)
+        SPLIT_WORDS=split_bytes // 8)
     return result.view(*ids.shape, -1)
 
 
@@ -71,8 +71,8 @@ def check(head_dim: int, seed: int) -> int:
             print(f"MISMATCH peer out={out} rows_32={rows_32}")
             return 1
         checked += 1
-    if head_dim == kernel.SECTOR_SPLIT_HEAD_DIM:
-        split_cases = check_sector_split(table, head_dim)
+    if head_dim == kernel.SPLIT_HEAD_DIM:
+        split_cases = check_split_loads(table, head_dim)
         if split_cases is None:
             return 1
         checked += split_cases
@@ -80,14 +80,16 @@ def check(head_dim: int, seed: int) -> int:
     return 0
 
 
-def check_sector_split(table, head_dim: int) -> int | None:
-    """Peer loads split at 32-byte sector boundaries: slices starting 0, 8, 16 and 24 bytes past
-    a sector boundary (every split point), each in turn the first slice; tiles, prefetch."""
+def check_split_loads(table, head_dim: int) -> int | None:
+    """Peer loads cut at a 32-byte sector or a 128-byte line boundary (`split_bytes`): slices
+    starting 0, 8, 16 and 24 bytes past a sector boundary (rows take every cut point either
+    way, since row r starts 8r bytes further mod 128); tiles, prefetch."""
     rows, row_bytes = table.shape
     half = (rows + 1) // 2
     checked = 0
-    for shift, out, prefetch, sort, block_rows in itertools.product(
-            [0, 8, 16, 24], ["packed", "bf16"], [False, True], [False, True], [16, 32]):
+    for split_bytes, shift, out, prefetch, sort, block_rows in itertools.product(
+            [32, 128], [0, 8, 16, 24], ["packed", "bf16"], [False, True], [False, True],
+            [16, 32]):
         buffers = [torch.zeros(half * row_bytes + 64, dtype=torch.uint8) for _ in range(2)]
         slices = []
         for k, buffer in enumerate(buffers):
@@ -99,10 +101,10 @@ def check_sector_split(table, head_dim: int) -> int | None:
         ids = torch.randint(-1, rows, (23, 3))
         ids.view(-1)[0], ids.view(-1)[-1] = rows - 1, 0
         got = run(bases, ids, head_dim, out, peer_rows=half, sort=sort, prefetch=prefetch,
-                  block_rows=block_rows, rows_32=True, sector_split=True)
+                  block_rows=block_rows, rows_32=True, split_bytes=split_bytes)
         if not torch.equal(got.view(torch.uint8),
                            lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
-            print(f"MISMATCH sector split shift={shift} out={out} prefetch={prefetch} "
+            print(f"MISMATCH split_bytes={split_bytes} shift={shift} out={out} prefetch={prefetch} "
                   f"sort={sort} block_rows={block_rows}")
             return None
         checked += 1

@@ -241,18 +241,19 @@ def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatc
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
+@pytest.mark.parametrize("split_bytes", [32, 128])
 @pytest.mark.parametrize("shift", [0, 8, 16, 24])
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
-def test_peer_slices_with_loads_split_at_sectors(hbm_table, shift, out, tile, monkeypatch):
-    """TileConfig.sector_split: each 264-byte row loaded in two pieces cut at a 32-byte sector
-    boundary. Slices start 0, 8, 16 and 24 bytes past a sector boundary, so rows take every
-    cut (1-4 words before it)."""
+def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, monkeypatch):
+    """TileConfig.split_bytes: each 264-byte row loaded in two pieces cut at its first 32-byte
+    sector or 128-byte line boundary. Slices start 0, 8, 16 and 24 bytes past a sector
+    boundary, and rows take every cut point (row r starts 8r bytes further, mod 128)."""
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
     monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
-        rows: replace(config, sector_split=True)
+        rows: replace(config, split_bytes=split_bytes)
         for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     buffer = torch.empty(hbm_table.numel() + 64, dtype=torch.uint8, device="cuda:0")
     start = (-buffer.data_ptr()) % 32 + shift
@@ -262,23 +263,25 @@ def test_peer_slices_with_loads_split_at_sectors(hbm_table, shift, out, tile, mo
                          device="cuda:0")
     assert {base % 32 for base in bases.tolist()} == {shift}
     for shape in ((1, 17), (43, 3), (43691, 24)):
-        _check(hbm_table, shape, out, seed=hash(("split", shift, out, tile, shape)) % 2**31,
+        _check(hbm_table, shape, out,
+               seed=hash(("split", split_bytes, shift, out, tile, shape)) % 2**31,
                peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0],
                prefetch=tile[1])
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("split_bytes", [32, 128])
 @pytest.mark.parametrize("out", OUTS)
-def test_peer_slices_two_gpus_with_loads_split_at_sectors(hbm_table, two_gpu_slices, out,
-                                                          monkeypatch):
+def test_peer_slices_two_gpus_with_split_loads(hbm_table, two_gpu_slices, split_bytes, out,
+                                               monkeypatch):
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
     monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
-        rows: replace(config, sector_split=True)
+        rows: replace(config, split_bytes=split_bytes)
         for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device="cuda:0")
-    ids = _row_ids((43691, 24), hash(("split2", out)) % 2**31)
+    ids = _row_ids((43691, 24), hash(("split2", split_bytes, out)) % 2**31)
     got = _lookup(row_ids=ids, out=out, into=_poisoned((43691, 24), out), peer_bases=bases,
                   rows_per_rank=ROWS_PER_RANK, block_rows=16)
     _assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
