@@ -3,7 +3,7 @@
 # repository root. Part `a`: tests/gpu/test_lookup.py (all, only the split tests with
 # SPLIT_ONLY=1, or none with SKIP_TESTS=1), then lookup_limits.py --parts fetch peer (fetch granularity; SM reads over
 # NVLink, split and not). Part `b`: bench_peer.py gpu --small (sweep with sector_split) and
-# Nsight Compute's DRAM bytes at L2 fetch granularity 32 B. Files in $OUT.
+# Nsight Compute's DRAM bytes at L2 fetch granularity 32 B (NCU_FETCH= skips it). Files in $OUT.
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_sectors.sh a|b  (both in one call: 8 files)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -27,7 +27,7 @@ else
     cat "$OUT/peer_gpu.md"
     t0=$SECONDS
     METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
-    for f in default 32; do
+    for f in ${NCU_FETCH-default 32}; do
         A=(); [ $f != default ] && A=(--l2-fetch $f)
         timeout 100 ncu --clock-control none --profile-from-start off --csv --metrics "$METRICS" \
             python3 benchmarks/lookup_limits.py --ncu "${A[@]}" > "$OUT/ncu_$f.csv" 2>> "$OUT/ncu.err"
