@@ -141,15 +141,12 @@ def half_remote_ids(table, num_rows: int, num_cols: int, seed: int, device):
 SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
          for b, p, w in ((128, 2, 8), (128, 4, 8), (64, 4, 4), (64, 8, 4), (32, 8, 4),
                          (16, 4, 4), (16, 8, 4), (16, 12, 4), (16, 16, 4))]
-# The committed 16-row peer launch with the kernel's cache hints (kernels/lookup_policy.py).
-HINT_SWEEP = [{}, {"load_cache": ".cg"}, {"load_evict": "evict_first"},
-              {"store_cache": ".cs"}, {"rows_32": True},
-              {"rows_32": True, "programs_per_sm": 12, "prefetch": False},
-              {"rows_32": True, "programs_per_sm": 8, "prefetch": False},
-              {"split_bytes": 32}, {"split_bytes": 32, "programs_per_sm": 8, "prefetch": False},
-              {"split_bytes": 128}, {"split_bytes": 128, "prefetch": False},
-              {"split_bytes": 128, "programs_per_sm": 8, "prefetch": False},
-              {"split_bytes": 128, "programs_per_sm": 24}]
+# The committed 16-row peer launch (kernels/lookup_policy.py) and changes to it: the launch
+# committed before loads were cut at a line (one values load + a scale-word load, prefetch),
+# loads cut at a sector, prefetch, grid size, cache hints (measured slower before: .cg, evict_first).
+HINT_SWEEP = [{}, {"split_bytes": 0, "prefetch": True}, {"split_bytes": 32},
+              {"prefetch": True}, {"programs_per_sm": 8}, {"programs_per_sm": 24},
+              {"load_cache": ".cg"}, {"load_evict": "evict_first"}, {"store_cache": ".cs"}]
 
 
 def lookup_with(config, ids, layout, bases, per_rank):
@@ -180,6 +177,7 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
             return stats(time_launches(lambda i: fn(sets[i % NUM_ID_SETS]), budget_s=budget_s))
 
         peer, remote = timed(id_sets), timed(remote_sets)
+        peer_bf16 = timed(id_sets, lambda ids: table.lookup(ids, out="bf16"))
         local = timed(local_sets, lambda ids: engram_lookup(ids, head_dim=layout.head_dim,
                                                             table=table.local))
         baseline = timed(local_sets, lambda ids: table.local.index_select(0, ids.view(-1)))
@@ -189,6 +187,8 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
                "peer_median_ms": peer["median_ms"], "peer_p99_ms": peer["p99_ms"],
                "remote_GBps": remote_bytes / peer["median_ms"] / 1e6,
                "all_rows_GBps": looked_up * layout.row_bytes / peer["median_ms"] / 1e6,
+               "peer_bf16_median_ms": peer_bf16["median_ms"], "peer_bf16_p99_ms": peer_bf16[
+                   "p99_ms"], "remote_bf16_GBps": remote_bytes / peer_bf16["median_ms"] / 1e6,
                "all_remote_median_ms": remote["median_ms"],
                "all_remote_GBps": looked_up * layout.row_bytes / remote["median_ms"] / 1e6,
                "local_kernel_median_ms": local["median_ms"],
@@ -296,14 +296,21 @@ def gpu_markdown(report: dict) -> str:
         f"{m['device_bytes_after_close'] / GIB:.2f} GiB" for m in members), "",
         f"Peer copy ceiling (1 GiB GPU1 -> GPU0, copy engines): "
         f"{first['peer_copy_GBps']:.0f} GB/s.", "",
+        "Packed output, then bf16 output (the same ids): remote GB/s = remote rows x 264 B / "
+        "median.", "",
         "| rows looked up | remote rows | peer median ms | p99 ms | remote GB/s | % of ceiling |"
+        " bf16 out: median ms | p99 ms | remote GB/s | % of ceiling |"
         " all rows GB/s | all-remote ms | all-remote GB/s | local kernel ms (all local) | "
         "local index_select ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in first["lookups"]:
         lines.append(f"| {r['rows']:,} | {r['remote_rows']:,} | {r['peer_median_ms']:.4f} | "
                      f"{r['peer_p99_ms']:.4f} | {r['remote_GBps']:.0f} | "
-                     f"{100 * r['remote_GBps'] / first['peer_copy_GBps']:.0f}% | "
+                     f"{100 * r['remote_GBps'] / first['peer_copy_GBps']:.1f}% | "
+                     + (f"{r['peer_bf16_median_ms']:.4f} | {r['peer_bf16_p99_ms']:.4f} | "
+                        f"{r['remote_bf16_GBps']:.0f} | "
+                        f"{100 * r['remote_bf16_GBps'] / first['peer_copy_GBps']:.1f}% | "
+                        if "peer_bf16_median_ms" in r else "| | | | ") +
                      f"{r['all_rows_GBps']:.0f} | {r['all_remote_median_ms']:.4f} | "
                      f"{r['all_remote_GBps']:.0f} | {r['local_kernel_median_ms']:.4f} | "
                      f"{r['local_index_select_median_ms']:.4f} |")

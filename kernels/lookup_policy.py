@@ -59,12 +59,15 @@ class TileConfig:
 # more than noise in HBM, over NVLink or from THP host memory; with vLLM's one program per SM,
 # 128-row tiles are 2.7x faster (the sweep has both). Peer launches find each row's owner by a
 # 32-bit division where every id fits (2% faster over NVLink, 301 vs 294 GB/s at 1M rows,
-# results/peer_gpu_small_h200x2_c241878.md). Sorted lookups of a small-page host
+# results/peer_gpu_small_h200x2_c241878.md), and load each 264-byte row in two pieces cut at
+# its first 128-byte line boundary, so each of its three lines is asked for once: 319 vs 303
+# GB/s of remote rows at 1.57M rows (prefetch off: with it, 282; cut at a 32-byte sector: 311;
+# results/peer_gpu_small_h200x2_b44f07d.md). Sorted lookups of a small-page host
 # table between 64K and 1M rows were 4-18% faster with 128-row tiles (1M and up: 5-13% slower).
 NEVER = 1 << 62
 TILE_CONFIGS = {
     "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8, prefetch=True)},
-    "peer": {16: TileConfig(16, 16, 4, True, rows_32=True),
+    "peer": {16: TileConfig(16, 16, 4, rows_32=True, split_bytes=128),
              128: TileConfig(128, 1, 8, True, rows_32=True)},
     "host": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 8, 8, True)},
     "host_thp": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 1, 8, True)},

@@ -241,13 +241,13 @@ def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatc
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
-@pytest.mark.parametrize("split_bytes", [32, 128])
+@pytest.mark.parametrize("split_bytes", [0, 32, 128])
 @pytest.mark.parametrize("shift", [0, 8, 16, 24])
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, monkeypatch):
     """TileConfig.split_bytes: each 264-byte row loaded in two pieces cut at its first 32-byte
-    sector or 128-byte line boundary. Slices start 0, 8, 16 and 24 bytes past a sector
+    sector or 128-byte line boundary, or (0) as a values load and a scale-word load. Slices start 0, 8, 16 and 24 bytes past a sector
     boundary, and rows take every cut point (row r starts 8r bytes further, mod 128)."""
     from dataclasses import replace
 
@@ -270,7 +270,7 @@ def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, 
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("split_bytes", [32, 128])
+@pytest.mark.parametrize("split_bytes", [0, 32, 128])
 @pytest.mark.parametrize("out", OUTS)
 def test_peer_slices_two_gpus_with_split_loads(hbm_table, two_gpu_slices, split_bytes, out,
                                                monkeypatch):
