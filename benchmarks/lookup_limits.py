@@ -10,6 +10,8 @@ Measures, on the table layouts the lookup benchmark uses (benchmarks/bench_looku
 - host tables on small pages and on transparent huge pages: lookups whose ids fall inside a
   window of 256 KiB .. the whole table (GPU address translation reach), and small lookups of
   16- and 128-row tiles timed interleaved (the policy's noise floor).
+- `split`: lookups from HBM and host tables with each row's loads cut at a sector or a line
+  (`TileConfig.split_bytes`, kept for peer tables) against the committed launches;
 - `fetch`: the same lookups (HBM; half-remote peer lookups too where 2 GPUs are present) and
   264-byte random reads under each L2 fetch granularity the CUDA context allows
   (`cudaLimitMaxL2FetchGranularity`: a per-process hint, 32/64/128 bytes): does fetching only
@@ -204,6 +206,42 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
                               "equal_to_default": equal, **t,
                               "GBps": moved / t["median_ms"] / 1e6})
                 print(json.dumps(found[-1]), flush=True)
+    return found
+
+
+def split_variants(table: torch.Tensor, placement: str, budget_s: float) -> list[dict]:
+    """The committed launches of `placement` against the same with each row's loads cut at a
+    32-byte sector or 128-byte line (`TileConfig.split_bytes`), prefetch on and off, 16- and
+    128-row tiles; outputs checked equal to the committed launch's. Rounds interleaved."""
+    found = []
+    generator = torch.Generator(device="cuda:0").manual_seed(17)
+    for num_rows in LARGE_ROWS:
+        ids = [torch.randint(0, table.shape[0], (num_rows // NUM_COLS, NUM_COLS),
+                             generator=generator, device="cuda:0") for _ in range(4)]
+        for out in ("packed", "bf16"):
+            expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
+            cases = []
+            for block_rows in (16, 128):
+                committed = kernel.tile_config(placement, block_rows)
+                cases.append((f"{block_rows} committed", committed))
+                for split, prefetch in ((128, False), (128, True), (32, committed.prefetch)):
+                    cases.append((f"{block_rows} split {split}{' prefetch' if prefetch else ''}",
+                                  replace(committed, split_bytes=split, prefetch=prefetch)))
+            for rnd in range(2):
+                for name, config in cases:
+                    with launch_config(placement, config):
+                        got = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table,
+                                                   out=out, block_rows=config.block_rows)
+                        equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+                        t = timed(lambda i: kernel.engram_lookup(
+                            ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
+                            block_rows=config.block_rows), budget_s)
+                    written = ROW_BYTES if out == "packed" else 2 * HEAD_DIM
+                    found.append({"placement": placement, "round": rnd, "rows": num_rows,
+                                  "out": out, "variant": name, "equal_to_committed": equal, **t,
+                                  "GBps": num_rows * (ROW_BYTES + written) / t["median_ms"] / 1e6,
+                                  "read_GBps": num_rows * ROW_BYTES / t["median_ms"] / 1e6})
+                    print(json.dumps(found[-1]), flush=True)
     return found
 
 
@@ -404,7 +442,7 @@ def ncu_launches(gib: int, fetch: int | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["hbm", "hints", "host"],
-                        choices=["hbm", "hints", "host", "peer", "fetch"])
+                        choices=["hbm", "hints", "host", "peer", "fetch", "split"])
     parser.add_argument("--hbm-gib", type=int, default=16)
     parser.add_argument("--host-gib", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=0.25)
@@ -428,6 +466,20 @@ def main() -> None:
         "triton": triton.__version__}}
     report["sequential"] = sequential_ceilings(args.budget_s)
     print("sequential", report["sequential"], flush=True)
+    if "split" in args.parts:
+        table = torch.empty(args.hbm_gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8,
+                            device="cuda:0")
+        fill_random(table, 0)
+        report["split"] = split_variants(table, "hbm", args.budget_s)
+        del table
+        torch.cuda.empty_cache()
+        for placement in ("host", "host_thp"):
+            rows = args.host_gib * GIB // ROW_BYTES
+            memory = allocate_host_table(rows * ROW_BYTES, use_thp=placement == "host_thp")
+            memory.view(-1)[:1 << 24].random_()
+            report["split"] += split_variants(memory.view(rows, ROW_BYTES), placement,
+                                              args.budget_s)
+            del memory
     if {"hbm", "hints", "fetch"} & set(args.parts):
         table = torch.empty(args.hbm_gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8,
                             device="cuda:0")
@@ -493,6 +545,18 @@ def markdown(report: dict) -> str:
         for r in report["peer_reads"]:
             lines.append(f"| {r['case']} | {r['programs_per_sm']} | {r['median_ms']:.4f} | "
                          f"{r['chunk_GBps']:.0f} | {r['pct_peer_copy']:.0f}% |")
+        lines.append("")
+    if "split" in report:
+        lines += ["## Row loads cut at a sector / line (TileConfig.split_bytes), HBM and host", "",
+                  "GB/s = rows x (264 read + output written) / median; % = of the copy; read "
+                  "GB/s = rows x 264 / median (host: over PCIe); 2 interleaved rounds", "",
+                  "| placement | round | rows | out | launch | equal | median ms | p99 ms | GB/s "
+                  "| % copy | read GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in report["split"]:
+            lines.append(f"| {r['placement']} | {r['round']} | {r['rows']} | {r['out']} | "
+                         f"{r['variant']} | {r['equal_to_committed']} | {r['median_ms']:.4f} | "
+                         f"{r['p99_ms']:.4f} | {r['GBps']:.0f} | "
+                         f"{100 * r['GBps'] / seq['copy_GBps']:.0f}% | {r['read_GBps']:.1f} |")
         lines.append("")
     if "fetch" in report:
         info = report["fetch_info"]

@@ -83,9 +83,9 @@ def _power_of_two(exponent):
 
 @triton.jit
 def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
-                     IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr,
-                     ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
-    """Peer tables of 264-byte rows (33 words): each row as two loads cut at its first
+                     IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr,
+                     LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
+    """Tables of 264-byte rows (33 words): each row as two loads cut at its first
     (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
     the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
     no sector is asked for twice; cut at a 128-byte line (16), each of a row's three lines is
@@ -96,11 +96,14 @@ def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOC
     row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
     has_row = row >= 0
     row = tl.where(has_row, row, 0)
-    if ROWS_32:
-        owner = (row.to(tl.int32) // rows_per_rank).to(tl.int64)
+    if IS_PEER:
+        if ROWS_32:
+            owner = (row.to(tl.int32) // rows_per_rank).to(tl.int64)
+        else:
+            owner = row // rows_per_rank
+        address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
     else:
-        owner = row // rows_per_rank
-    address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
+        address = (src + row * 264).to(tl.int64)
     head_words = SPLIT_WORDS - (address // 8) % SPLIT_WORDS
     words = tl.multiple_of(address.to(tl.pointer_type(tl.uint64)), 8)
     head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
@@ -196,7 +199,7 @@ def _engram_lookup_kernel(
     LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
-    SPLIT_WORDS: tl.constexpr = 0,   # PEER, 264-byte rows: 4/16 = loads cut at a sector/line
+    SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = each row's loads cut at a sector / line
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
@@ -205,14 +208,14 @@ def _engram_lookup_kernel(
     if SPLIT_WORDS:
         if PREFETCH:
             dst, in_range, head_words, head, body = _load_tile_split(
-                src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_SORTED,
-                LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
+                src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
+                IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
             for _ in tl.range(tile, num_tiles, num_programs):
                 tile += num_programs  # past the end: every load of the tile is masked off
                 next_dst, next_in_range, next_head_words, next_head, next_body = \
                     _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
-                                     BLOCK_R, IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32,
-                                     SPLIT_WORDS)
+                                     BLOCK_R, IS_PEER, IS_SORTED, LOAD_CACHE, LOAD_EVICT,
+                                     ROWS_32, SPLIT_WORDS)
                 _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
                                   SPLIT_WORDS)
                 dst, in_range, head_words = next_dst, next_in_range, next_head_words
@@ -220,8 +223,8 @@ def _engram_lookup_kernel(
         else:
             for tile in tl.range(tile, num_tiles, num_programs):
                 dst, in_range, head_words, head, body = _load_tile_split(
-                    src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_SORTED,
-                    LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
+                    src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
+                    IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
                 _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
                                   SPLIT_WORDS)
     elif PREFETCH:
@@ -382,8 +385,7 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
                   and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
-                  SPLIT_WORDS=config.split_bytes // 8
-                  if peer_bases is not None and head_dim == SPLIT_HEAD_DIM else 0)
+                  SPLIT_WORDS=config.split_bytes // 8 if head_dim == SPLIT_HEAD_DIM else 0)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

@@ -20,7 +20,7 @@ class TileConfig:
     program, whether the next tile's loads are issued before this tile's stores, the cache
     hints of the table loads and output stores (PTX cache modifiers / L2 eviction), and, for
     peer tables, whether each row's owner is found by a 32-bit division (used only where
-    rows_per_rank x P < 2^31; else 64-bit) and where each 264-byte peer row's loads are cut:
+    rows_per_rank x P < 2^31; else 64-bit) and where each 264-byte row's loads are cut:
     `split_bytes` 0 = one values load + one scale-word load, 32 / 128 = two loads cut at the
     row's first 32-byte sector / 128-byte line boundary (no sector / no line asked for twice;
     other row widths ignore it)."""

@@ -81,31 +81,38 @@ def check(head_dim: int, seed: int) -> int:
 
 
 def check_split_loads(table, head_dim: int) -> int | None:
-    """Peer loads cut at a 32-byte sector or a 128-byte line boundary (`split_bytes`): slices
-    starting 0, 8, 16 and 24 bytes past a sector boundary (rows take every cut point either
-    way, since row r starts 8r bytes further mod 128); tiles, prefetch."""
+    """Loads cut at a 32-byte sector or a 128-byte line boundary (`split_bytes`), from a table
+    and from peer slices starting 0, 8, 16 and 24 bytes past a sector boundary (rows take every
+    cut point either way, since row r starts 8r bytes further mod 128); tiles, prefetch."""
     rows, row_bytes = table.shape
     half = (rows + 1) // 2
     checked = 0
-    for split_bytes, shift, out, prefetch, sort, block_rows in itertools.product(
+    for split_bytes, shift, out, prefetch, sort, block_rows, peer in itertools.product(
             [32, 128], [0, 8, 16, 24], ["packed", "bf16"], [False, True], [False, True],
-            [16, 32]):
-        buffers = [torch.zeros(half * row_bytes + 64, dtype=torch.uint8) for _ in range(2)]
-        slices = []
+            [16, 32], [False, True]):
+        count = 2 if peer else 1
+        size = half if peer else rows
+        buffers = [torch.zeros(size * row_bytes + 64, dtype=torch.uint8) for _ in range(count)]
+        parts = []
         for k, buffer in enumerate(buffers):
             start = (-buffer.data_ptr()) % 32 + (shift + 8 * k) % 32
-            slices.append(buffer[start:start + half * row_bytes].view(half, row_bytes))
-        slices[0].copy_(table[:half])
-        slices[1][:rows - half] = table[half:]
-        bases = torch.tensor([part.data_ptr() for part in slices], dtype=torch.int64)
+            parts.append(buffer[start:start + size * row_bytes].view(size, row_bytes))
+        if peer:
+            parts[0].copy_(table[:half])
+            parts[1][:rows - half] = table[half:]
+            src = torch.tensor([part.data_ptr() for part in parts], dtype=torch.int64)
+        else:
+            src = parts[0]
+            src.copy_(table)
         ids = torch.randint(-1, rows, (23, 3))
         ids.view(-1)[0], ids.view(-1)[-1] = rows - 1, 0
-        got = run(bases, ids, head_dim, out, peer_rows=half, sort=sort, prefetch=prefetch,
-                  block_rows=block_rows, rows_32=True, split_bytes=split_bytes)
+        got = run(src, ids, head_dim, out, peer_rows=half if peer else None, sort=sort,
+                  prefetch=prefetch, block_rows=block_rows, rows_32=peer,
+                  split_bytes=split_bytes)
         if not torch.equal(got.view(torch.uint8),
                            lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
-            print(f"MISMATCH split_bytes={split_bytes} shift={shift} out={out} prefetch={prefetch} "
-                  f"sort={sort} block_rows={block_rows}")
+            print(f"MISMATCH split_bytes={split_bytes} shift={shift} out={out} peer={peer} "
+                  f"prefetch={prefetch} sort={sort} block_rows={block_rows}")
             return None
         checked += 1
     return checked
