@@ -285,3 +285,28 @@ def test_peer_slices_two_gpus_with_split_loads(hbm_table, two_gpu_slices, split_
     got = _lookup(row_ids=ids, out=out, into=_poisoned((43691, 24), out), peer_bases=bases,
                   rows_per_rank=ROWS_PER_RANK, block_rows=16)
     _assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
+
+
+@pytest.mark.parametrize("split_bytes", [32, 128])
+@pytest.mark.parametrize("placement", ["hbm", "host", "host_thp"])
+@pytest.mark.parametrize("out", OUTS)
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
+def test_tables_with_split_loads(hbm_table, host_table, thp_table, split_bytes, placement, out,
+                                 tile, monkeypatch):
+    """TileConfig.split_bytes from HBM and host tables, the whole table and a view from row 1
+    (every row moved by 264 bytes)."""
+    from dataclasses import replace
+
+    from engram_ray.kernels import lookup as kernel
+    monkeypatch.setitem(kernel.TILE_CONFIGS, placement, {
+        rows: replace(config, split_bytes=split_bytes)
+        for rows, config in kernel.TILE_CONFIGS[placement].items()})
+    table = {"hbm": hbm_table, "host": host_table, "host_thp": thp_table}[placement]
+    for first in (0, 1):
+        for shape in ((43, 3), (43691, 24)):
+            seed = hash(("tsplit", split_bytes, placement, out, tile, shape, first)) % 2**31
+            ids = _row_ids(shape, seed).clamp(max=NUM_ROWS - 1 - first)
+            got = _lookup(row_ids=ids, out=out, into=_poisoned(shape, out), table=table[first:],
+                          block_rows=tile[0], prefetch=tile[1])
+            torch.cuda.synchronize()
+            _assert_bitwise(got, lookup_reference(hbm_table[first:], ids, HEAD_DIM, out=out))
