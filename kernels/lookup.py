@@ -87,11 +87,10 @@ def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOC
                      LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
     """Tables of 264-byte rows (33 words): each row as two loads cut at its first
     (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
-    the other 33 - head (the scale word among them), 8 bytes a thread. Cut at a 32-byte sector
-    (SPLIT_WORDS 4), no sector is asked for twice; cut at a 128-byte line (16), each of a row's
-    three lines is asked for once (a values load + a scale-word load: up to 4 requests).
-    Returns (output rows, in range, head words [R, 1, 1], head [R, SPLIT_WORDS, 8] and body
-    [R, 32, 8] bytes)."""
+    the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
+    no sector is asked for twice; cut at a 128-byte line (16), each of a row's three lines is
+    asked for once (a values load + a scale-word load: up to 4 requests, 10 sectors).
+    Returns (output rows, in range, head words per row, head [R, SPLIT_WORDS], body [R, 32])."""
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
     row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
@@ -105,30 +104,31 @@ def _load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOC
         address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
     else:
         address = (src + row * 264).to(tl.int64)
-    head_words = (SPLIT_WORDS - (address // 8) % SPLIT_WORDS)[:, None, None]
-    row_ptr = tl.multiple_of(address.to(tl.pointer_type(tl.uint8)), 8)[:, None, None]
-    has_row = has_row[:, None, None]
-    byte = tl.arange(0, 8)[None, None, :]
-    head_lane = tl.arange(0, SPLIT_WORDS)[None, :, None]
-    lane = tl.arange(0, 32)[None, :, None]
-    head = tl.load(row_ptr + head_lane * 8 + byte, mask=has_row & (head_lane < head_words),
-                   other=0, cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-    body = tl.load(row_ptr + (head_words + lane) * 8 + byte,
-                   mask=has_row & (lane < 33 - head_words), other=0,
+    head_words = SPLIT_WORDS - (address // 8) % SPLIT_WORDS
+    words = tl.multiple_of(address.to(tl.pointer_type(tl.uint64)), 8)
+    head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
+    lane = tl.arange(0, 32)[None, :]
+    head = tl.load(words[:, None] + head_lane,
+                   mask=has_row[:, None] & (head_lane < head_words[:, None]), other=0,
+                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    body = tl.load(words[:, None] + head_words[:, None] + lane,
+                   mask=has_row[:, None] & (lane < 33 - head_words[:, None]), other=0,
                    cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
     return dst, in_range, head_words, head, body
 
 
 @triton.jit
-def _store_words_bf16(out_row, values, word, scale_word, mask):
-    """bf16 of FP8 `values` [R, W, 8] (row words `word` [R, W, 1]: word w holds values
-    8w..8w+7, in scale group w // 4) at `out_row` [R, 1, 1] + 8w."""
-    group = tl.minimum(word, 31) // 4  # word 32 (the scale word) is masked off
-    exponent = ((scale_word >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32)
-    real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _power_of_two(exponent)
-    tl.store(out_row + word * 8 + tl.arange(0, 8)[None, None, :], real.to(tl.bfloat16),
-             mask=mask)
+def _store_words_bf16(out_row, words, first_word, scales, mask):
+    """bf16 of the 8 FP8 values in each of `words` [R, W] (row words first_word + 0..W-1; word
+    w holds values 8w..8w+7, in scale group w // 4) at `out_row` [R, 1, 1] + 8w."""
+    byte = (tl.arange(0, 8) * 8).to(tl.uint64)[None, None, :]
+    group = tl.minimum(first_word, 31) // 4  # word 32 (the scale word) is masked off
+    exponent = ((scales >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32)
+    real = ((words[:, :, None] >> byte) & 0xFF).to(tl.uint8).to(
+        tl.float8e4nv, bitcast=True).to(tl.float32) * _power_of_two(exponent)[:, :, None]
+    tl.store(out_row + first_word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :],
+             real.to(tl.bfloat16), mask=mask[:, :, None])
 
 
 @triton.jit
@@ -136,24 +136,21 @@ def _store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16: tl.co
                       SPLIT_WORDS: tl.constexpr):
     """Write what `_load_tile_split` loaded: packed (the two pieces where they belong) or bf16
     (each word's 8 values times its group's scale; the scale word is body word 32 - head)."""
-    head_lane = tl.arange(0, SPLIT_WORDS)[None, :, None]
-    lane = tl.arange(0, 32)[None, :, None]
-    byte = tl.arange(0, 8)[None, None, :]
-    in_range = in_range[:, None, None]
+    head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
+    lane = tl.arange(0, 32)[None, :]
+    head_words = head_words[:, None]
     if IS_BF16:
-        scale_bytes = tl.sum(tl.where(lane == 32 - head_words, body, 0).to(tl.uint64), axis=1)
-        scale_word = tl.sum(scale_bytes << (tl.arange(0, 8) * 8).to(tl.uint64)[None, :],
-                            axis=1)[:, None, None]
+        scales = tl.sum(tl.where(lane == 32 - head_words, body, 0), axis=1)[:, None]
         out_row = out + dst[:, None, None] * 256
-        _store_words_bf16(out_row, head, head_lane + 0 * head_words, scale_word,
-                          in_range & (head_lane < head_words))
-        _store_words_bf16(out_row, body, head_words + lane, scale_word,
-                          in_range & (head_words + lane < 32))
+        _store_words_bf16(out_row, head, head_lane + 0 * head_words, scales,
+                          in_range[:, None] & (head_lane < head_words))
+        _store_words_bf16(out_row, body, head_words + lane, scales,
+                          in_range[:, None] & (head_words + lane < 32))
     else:
-        out_row = tl.multiple_of(out + dst * 264, 8)[:, None, None]
-        tl.store(out_row + head_lane * 8 + byte, head, mask=in_range & (head_lane < head_words))
-        tl.store(out_row + (head_words + lane) * 8 + byte, body,
-                 mask=in_range & (lane < 33 - head_words))
+        out_words = (out + dst * 264).to(tl.pointer_type(tl.uint64))[:, None]
+        tl.store(out_words + head_lane, head, mask=in_range[:, None] & (head_lane < head_words))
+        tl.store(out_words + head_words + lane, body,
+                 mask=in_range[:, None] & (lane < 33 - head_words))
 
 
 @triton.jit
@@ -388,7 +385,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
                   and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
-                  SPLIT_WORDS=config.split_bytes // 8 if head_dim == SPLIT_HEAD_DIM else 0)
+                  SPLIT_WORDS=config.split_bytes // 8 if head_dim == SPLIT_HEAD_DIM
+                  and (out == "packed" or config.split_bf16) else 0)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

@@ -23,7 +23,7 @@ class TileConfig:
     rows_per_rank x P < 2^31; else 64-bit) and where each 264-byte row's loads are cut:
     `split_bytes` 0 = one values load + one scale-word load, 32 / 128 = two loads cut at the
     row's first 32-byte sector / 128-byte line boundary (no sector / no line asked for twice;
-    other row widths ignore it)."""
+    other row widths ignore it); `split_bf16` False keeps bf16 output's loads uncut."""
 
     block_rows: int
     programs_per_sm: int
@@ -34,6 +34,7 @@ class TileConfig:
     store_cache: str = ""
     rows_32: bool = False
     split_bytes: int = 0
+    split_bf16: bool = True
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -62,15 +63,21 @@ class TileConfig:
 # results/peer_gpu_small_h200x2_c241878.md), and load each 264-byte row in two pieces cut at
 # its first 128-byte line boundary, so each of its three lines is asked for once: 319 vs 303
 # GB/s of remote rows at 1.57M rows (prefetch off: with it, 282; cut at a 32-byte sector: 311;
-# results/peer_gpu_small_h200x2_b44f07d.md). Sorted lookups of a small-page host
+# results/peer_gpu_small_h200x2_b44f07d.md). Cut loads also won from host tables (line: 9.3-9.6
+# vs 10.5-11.1 ms at 1.57M rows, both tiles and outputs) and for packed output from HBM
+# (sector: 0.255 vs 0.277 ms; bf16 output 21% slower cut, so kept whole; results/
+# lookup_split_h200_817b594.md). Sorted lookups of a small-page host
 # table between 64K and 1M rows were 4-18% faster with 128-row tiles (1M and up: 5-13% slower).
 NEVER = 1 << 62
 TILE_CONFIGS = {
-    "hbm": {16: TileConfig(16, 8, 4), 128: TileConfig(128, 1, 8, prefetch=True)},
+    "hbm": {16: TileConfig(16, 8, 4, split_bytes=32, split_bf16=False),
+            128: TileConfig(128, 1, 8, prefetch=True)},
     "peer": {16: TileConfig(16, 16, 4, rows_32=True, split_bytes=128),
              128: TileConfig(128, 1, 8, True, rows_32=True)},
-    "host": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 8, 8, True)},
-    "host_thp": {16: TileConfig(16, 4, 4, True), 128: TileConfig(128, 1, 8, True)},
+    "host": {16: TileConfig(16, 4, 4, True, split_bytes=128),
+             128: TileConfig(128, 8, 8, True, split_bytes=128)},
+    "host_thp": {16: TileConfig(16, 4, 4, True, split_bytes=128),
+                 128: TileConfig(128, 1, 8, True, split_bytes=128)},
 }
 TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (65544, 1048584),
                "host_thp": (NEVER, NEVER)}
