@@ -21,8 +21,10 @@ def test_window_bounds(placement):
 
 
 def test_small_page_host_window_and_sorting():
-    assert choose_block_rows(262152, ROW_BYTES, "host") == 128
-    assert choose_block_rows(1048584, ROW_BYTES, "host") == 16
+    for placement in ("host", "host_thp"):
+        assert choose_block_rows(65544, ROW_BYTES, placement) == 16
+        assert choose_block_rows(262152, ROW_BYTES, placement) == 128
+        assert choose_block_rows(1048584, ROW_BYTES, placement) == 16
     assert SORT_MIN_ROWS["host"] < NEVER and SORT_MIN_ROWS["hbm"] == NEVER
 
 
