@@ -79,10 +79,12 @@ TILE_CONFIGS = {
     "host_thp": {16: TileConfig(16, 4, 4, True, split_bytes=128),
                  128: TileConfig(128, 1, 8, True, split_bytes=128)},
 }
-# With cut loads (e205eff, results/lookup_h200x2_e205eff.md) sorted host lookups of 262K rows
-# were 5-16% faster with 128-row tiles, of 64K rows 11% slower, of 1M and up within 2%.
-TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, 1048584),
-               "host_thp": (262152, 1048584)}
+# With cut loads (results/lookup_h200x2_e205eff.md, lookup_h200_d724f29.md) sorted host
+# lookups with 128-row tiles were 5-16% faster at 262K rows, 11% slower at 64K, and from 1M
+# rows 0.4-3% faster in 12 of 16 (size, output, page size, run) cases, at most 1.1% slower in
+# the other four: 128-row tiles from 262K rows on.
+TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, NEVER),
+               "host_thp": (262152, NEVER)}
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
 # share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
 SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}

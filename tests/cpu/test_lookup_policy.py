@@ -24,7 +24,7 @@ def test_small_page_host_window_and_sorting():
     for placement in ("host", "host_thp"):
         assert choose_block_rows(65544, ROW_BYTES, placement) == 16
         assert choose_block_rows(262152, ROW_BYTES, placement) == 128
-        assert choose_block_rows(1048584, ROW_BYTES, placement) == 16
+        assert choose_block_rows(1572864, ROW_BYTES, placement) == 128
     assert SORT_MIN_ROWS["host"] < NEVER and SORT_MIN_ROWS["hbm"] == NEVER
 
 
