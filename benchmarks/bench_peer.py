@@ -143,7 +143,7 @@ SWEEP = [dict(block_rows=b, programs_per_sm=p, num_warps=w)
                          (16, 4, 4), (16, 8, 4), (16, 12, 4), (16, 16, 4))]
 # The committed 16-row peer launch (kernels/lookup_policy.py) and changes to it: the launch
 # committed before loads were cut at a line (one values load + a scale-word load, prefetch),
-# loads cut at a sector, prefetch, grid size, cache hints (measured slower before: .cg, evict_first).
+# loads cut at a sector, prefetch, grid size, cache hints (slower before: .cg, evict_first).
 HINT_SWEEP = [{}, {"split_bytes": 0, "prefetch": True}, {"split_bytes": 32},
               {"prefetch": True}, {"programs_per_sm": 8}, {"programs_per_sm": 24},
               {"load_cache": ".cg"}, {"load_evict": "evict_first"}, {"store_cache": ".cs"}]
@@ -302,7 +302,7 @@ def gpu_markdown(report: dict) -> str:
         " bf16 out: median ms | p99 ms | remote GB/s | % of ceiling |"
         " all rows GB/s | all-remote ms | all-remote GB/s | local kernel ms (all local) | "
         "local index_select ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "|" + " --- |" * 15]
     for r in first["lookups"]:
         lines.append(f"| {r['rows']:,} | {r['remote_rows']:,} | {r['peer_median_ms']:.4f} | "
                      f"{r['peer_p99_ms']:.4f} | {r['remote_GBps']:.0f} | "

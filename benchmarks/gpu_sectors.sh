@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# Sector-split peer loads and the L2 fetch granularity on a lent 2-GPU machine, from the
-# repository root. Part `a`: tests/gpu/test_lookup.py (all, only the split tests with
-# SPLIT_ONLY=1, or none with SKIP_TESTS=1), then lookup_limits.py --parts fetch peer (fetch granularity; SM reads over
-# NVLink, split and not). Part `b`: bench_peer.py gpu --small (sweep with sector_split) and
-# Nsight Compute's DRAM bytes at L2 fetch granularity 32 B (NCU_FETCH= skips it). Files in $OUT.
-# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_sectors.sh a|b  (both in one call: 8 files)
+# Cut row loads and the L2 fetch granularity on a lent 2-GPU machine, from the repository root.
+# Part `a`: tests/gpu/test_lookup.py (all; only the cut-load tests with SPLIT_ONLY=1; none with
+# SKIP_TESTS=1), then lookup_limits.py --parts ${LIMITS_PARTS:-fetch peer} (L2 fetch
+# granularity; SM reads over NVLink, whole and cut). Part `b`: bench_peer.py gpu --small (launch
+# sweep incl. cut loads) and Nsight Compute's DRAM bytes at the default and a 32-byte L2 fetch
+# granularity (NCU_FETCH= skips it). Files in $OUT (both parts in one call: at most 8).
+# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_sectors.sh a|b
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 R=$PWD
 if [ "${1:-a}" = a ]; then
     t0=$SECONDS
     K=(); [ "${SPLIT_ONLY:-0}" = 1 ] && K=(-k split)
-    [ "${SKIP_TESTS:-0}" = 1 ] || (cd /tmp && timeout 300 python3 -m pytest "$R/tests/gpu/test_lookup.py" -m "gpu or multi_gpu" \
-        "${K[@]}" -q -p no:cacheprovider -rfEs --rootdir "$R" -c "$R/pyproject.toml") \
-        > "$OUT/pytest.log" 2>&1
+    [ "${SKIP_TESTS:-0}" = 1 ] || (cd /tmp && timeout 300 python3 -m pytest \
+        "$R/tests/gpu/test_lookup.py" -m "gpu or multi_gpu" "${K[@]}" -q -p no:cacheprovider \
+        -rfEs --rootdir "$R" -c "$R/pyproject.toml") > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
     t0=$SECONDS
-    timeout 280 python3 benchmarks/lookup_limits.py --parts ${LIMITS_PARTS:-fetch peer} --budget-s 0.2 \
+    timeout 280 python3 benchmarks/lookup_limits.py --parts ${LIMITS_PARTS:-fetch peer} \
+        --budget-s 0.2 \
         --json "$OUT/limits.json" --md "$OUT/limits.md" > /tmp/limits.log 2>&1
     echo "limits rc=$? in $((SECONDS - t0)) s"; tail -5 /tmp/limits.log; cat "$OUT/limits.md"
 else

@@ -23,7 +23,8 @@ class TileConfig:
     rows_per_rank x P < 2^31; else 64-bit) and where each 264-byte row's loads are cut:
     `split_bytes` 0 = one values load + one scale-word load, 32 / 128 = two loads cut at the
     row's first 32-byte sector / 128-byte line boundary (no sector / no line asked for twice;
-    other row widths ignore it); `split_bf16` False keeps bf16 output's loads uncut."""
+    other row widths ignore it; cut launches take the load hints but not `store_cache`);
+    `split_bf16` False keeps bf16 output's loads uncut."""
 
     block_rows: int
     programs_per_sm: int

@@ -247,8 +247,9 @@ def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatc
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, monkeypatch):
     """TileConfig.split_bytes: each 264-byte row loaded in two pieces cut at its first 32-byte
-    sector or 128-byte line boundary, or (0) as a values load and a scale-word load. Slices start 0, 8, 16 and 24 bytes past a sector
-    boundary, and rows take every cut point (row r starts 8r bytes further, mod 128)."""
+    sector or 128-byte line boundary, or (0) as a values load and a scale-word load. Slices
+    start 0, 8, 16 and 24 bytes past a sector boundary, and rows take every cut point (row r
+    starts 8r bytes further, mod 128)."""
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
