@@ -14,6 +14,9 @@ NOTES:
 - Random row reads are latency-bound: what matters is rows in flight per SM (tile rows x
   resident programs). 16-row tiles on 8 programs per SM and one 128-row tile per SM both keep
   ~33 KB in flight; the measured launches and thresholds live in `TILE_CONFIGS`/`TILE_POLICY`.
+- Over NVLink and PCIe every memory request costs: a launch may cut each 264-byte row's loads
+  at its first 128-byte line (or 32-byte sector) boundary, so each line is asked for once
+  (`TileConfig.split_bytes`, `lookup_tiles.load_tile_split`).
 """
 
 from __future__ import annotations
