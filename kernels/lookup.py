@@ -33,16 +33,14 @@ from engram_ray.host_memory import is_huge_page_backed
 from engram_ray.kernels.lookup_tiles import (load_tile, load_tile_split, store_tile,
                                              store_tile_split)
 from engram_ray.kernels.lookup_policy import (  # noqa: F401  (re-exported: the policy API)
-    MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, TILE_CONFIGS, TILE_POLICY, TileConfig,
-    choose_block_rows, large_block_rows, tile_config)
+    MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, SPLIT_HEAD_DIM, TILE_CONFIGS, TILE_POLICY,
+    TileConfig, choose_block_rows, large_block_rows, split_words, tile_config)
 from engram_ray.reference import row_bytes_for
 
 OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
 SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 # Non-empty while Triton accepts pinned host tensors as pointers (it resolves their UVA address).
 _HOST_POINTERS_OK = [True]
-# TileConfig.split_bytes applies to rows of this head_dim (264 bytes = 33 eight-byte words).
-SPLIT_HEAD_DIM = 256
 
 
 @triton.jit(do_not_specialize=["num_rows", "rows_per_rank", "num_programs"])
@@ -252,8 +250,7 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
                   and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
-                  SPLIT_WORDS=config.split_bytes // 8 if head_dim == SPLIT_HEAD_DIM
-                  and (out == "packed" or config.split_bf16) else 0)
+                  SPLIT_WORDS=split_words(config, head_dim, out))
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

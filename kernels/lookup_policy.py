@@ -11,7 +11,8 @@ PLACEMENTS = ("hbm", "host", "host_thp", "peer")
 LOAD_CACHE = ("", ".ca", ".cg", ".cv")
 LOAD_EVICT = ("", "evict_first", "evict_last")
 STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
-SPLIT_BYTES = (0, 32, 128)  # where peer row loads are cut: nowhere, a sector, a line
+SPLIT_BYTES = (0, 32, 128)  # where row loads are cut: nowhere, a sector, a line
+SPLIT_HEAD_DIM = 256  # rows cut: 264 bytes = 33 eight-byte words
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,15 @@ SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
 # Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
 # were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264
+
+
+def split_words(config: TileConfig, head_dim: int, out: str) -> int:
+    """The kernel's SPLIT_WORDS for a launch: 8-byte words up to the boundary each row's loads
+    are cut at (4 = sector, 16 = line; 0 = not cut). Only 264-byte rows (head_dim 256) are
+    cut, and bf16 output only where `config.split_bf16`."""
+    if head_dim != SPLIT_HEAD_DIM or (out == "bf16" and not config.split_bf16):
+        return 0
+    return config.split_bytes // 8
 
 
 def large_block_rows(row_bytes: int) -> int:

@@ -4,7 +4,7 @@ import pytest
 
 from engram_ray.kernels.lookup_policy import (NEVER, PLACEMENTS, SORT_MIN_ROWS, TILE_CONFIGS,
                                               TILE_POLICY, TileConfig, choose_block_rows,
-                                              large_block_rows, tile_config)
+                                              large_block_rows, split_words, tile_config)
 
 ROW_BYTES = 264
 
@@ -68,3 +68,14 @@ def test_split_loads_are_sector_or_line_and_validated():
         assert {c.split_bytes for c in TILE_CONFIGS[placement].values()} == {128}
     with pytest.raises(ValueError, match=r"split_bytes is 64; expected one of \(0, 32, 128\)"):
         TileConfig(16, 8, 4, split_bytes=64)
+
+
+def test_split_words_of_a_launch():
+    """What the kernel is told: words up to the cut, for 264-byte rows only; HBM's committed
+    launch cuts packed output and keeps bf16 output whole."""
+    hbm = TILE_CONFIGS["hbm"][16]
+    assert (split_words(hbm, 256, "packed"), split_words(hbm, 256, "bf16")) == (4, 0)
+    peer = TILE_CONFIGS["peer"][16]
+    assert (split_words(peer, 256, "packed"), split_words(peer, 256, "bf16")) == (16, 16)
+    assert split_words(peer, 128, "packed") == 0 and split_words(peer, 512, "bf16") == 0
+    assert split_words(TileConfig(16, 8, 4), 256, "packed") == 0
