@@ -8,6 +8,7 @@ written to the report; the committed defaults in kernels/lookup.py are copied fr
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from engram_ray.kernels import lookup as kernel
 from lookup_timing import NUM_ID_SETS, stats, time_launches
@@ -52,7 +53,9 @@ def sweep(table, budget_s: float) -> list[dict]:
 
 
 def best_configs(found: list[dict]) -> dict:
-    """Per tile rows: the launch with the least total time relative to the best of each case."""
+    """Per tile rows: the launch with the least total time relative to the best of each case
+    (the placement's committed launch with the swept grid, warps and prefetch: its other
+    fields, such as cut loads and 32-bit owner division, were in effect during the sweep)."""
     cases = {(r["rows"], r["out"]) for r in found}
     fastest = {case: min(r["median_ms"] for r in found if (r["rows"], r["out"]) == case)
                for case in cases}
@@ -64,7 +67,8 @@ def best_configs(found: list[dict]) -> dict:
                 key = (r["programs_per_sm"], r["num_warps"], r["prefetch"])
                 scores[key] = scores.get(key, 0.0) + r["median_ms"] / fastest[r["rows"], r["out"]]
         per_sm, warps, prefetch = min(scores, key=scores.get)
-        chosen[block_rows] = kernel.TileConfig(block_rows, per_sm, warps, prefetch)
+        chosen[block_rows] = replace(kernel.tile_config(found[0]["placement"], block_rows),
+                                     programs_per_sm=per_sm, num_warps=warps, prefetch=prefetch)
     return chosen
 
 

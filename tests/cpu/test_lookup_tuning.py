@@ -1,0 +1,30 @@
+"""The tile-policy tuner's choices (benchmarks/lookup_tuning.py) from sweep rows: pure Python."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import lookup_tuning  # noqa: E402
+
+from engram_ray.kernels.lookup_policy import TILE_CONFIGS  # noqa: E402
+
+
+def _row(placement, block_rows, per_sm, prefetch, median_ms, rows=1048584, out="packed"):
+    return {"placement": placement, "rows": rows, "out": out, "block_rows": block_rows,
+            "programs_per_sm": per_sm, "num_warps": 4 if block_rows == 16 else 8,
+            "prefetch": prefetch, "median_ms": median_ms}
+
+
+def test_best_configs_keep_the_committed_launch_fields_and_take_the_fastest_grid():
+    """A re-tune changes grid, warps and prefetch only: cut loads and 32-bit owner division,
+    in effect during the sweep, stay."""
+    found = [_row("peer", 16, 16, False, 0.44), _row("peer", 16, 8, False, 0.47),
+             _row("peer", 16, 16, True, 0.49), _row("peer", 128, 1, True, 0.50),
+             _row("peer", 128, 2, False, 0.46)]
+    chosen = lookup_tuning.best_configs(found)
+    committed = TILE_CONFIGS["peer"]
+    assert (chosen[16].programs_per_sm, chosen[16].prefetch) == (16, False)
+    assert (chosen[128].programs_per_sm, chosen[128].prefetch) == (2, False)
+    assert chosen[16].split_bytes == committed[16].split_bytes == 128
+    assert chosen[16].rows_32 and chosen[128].rows_32 == committed[128].rows_32
