@@ -9,9 +9,9 @@ import triton.language as tl
 
 @triton.jit
 def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
-               HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
-               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
-               LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr):
+              HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
+              IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
+              LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr):
     """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
@@ -50,8 +50,8 @@ def _power_of_two(exponent):
 
 @triton.jit
 def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
-                     IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                     LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
+                    IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr,
+                    LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
     """Tables of 264-byte rows (33 words): each row as two loads cut at its first
     (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
     the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
@@ -100,7 +100,7 @@ def _store_words_bf16(out_row, words, first_word, scales, mask):
 
 @triton.jit
 def store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16: tl.constexpr,
-                      SPLIT_WORDS: tl.constexpr):
+                     SPLIT_WORDS: tl.constexpr):
     """Write what `load_tile_split` loaded: packed (the two pieces where they belong) or bf16
     (each word's 8 values times its group's scale; the scale word is body word 32 - head)."""
     head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
@@ -122,8 +122,8 @@ def store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16: tl.con
 
 @triton.jit
 def store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
-                SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                STORE_CACHE: tl.constexpr):
+               SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
+               STORE_CACHE: tl.constexpr):
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
