@@ -79,10 +79,10 @@ def _engram_lookup_kernel(
                 tile += num_programs  # past the end: every load of the tile is masked off
                 next_dst, next_in_range, next_head_words, next_head, next_body = \
                     load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
-                                     BLOCK_R, IS_PEER, IS_SORTED, LOAD_CACHE, LOAD_EVICT,
-                                     ROWS_32, SPLIT_WORDS)
+                                    BLOCK_R, IS_PEER, IS_SORTED, LOAD_CACHE, LOAD_EVICT,
+                                    ROWS_32, SPLIT_WORDS)
                 store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
-                                  SPLIT_WORDS)
+                                 SPLIT_WORDS)
                 dst, in_range, head_words = next_dst, next_in_range, next_head_words
                 head, body = next_head, next_body
         else:
@@ -91,7 +91,7 @@ def _engram_lookup_kernel(
                     src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
                     IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
                 store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
-                                  SPLIT_WORDS)
+                                 SPLIT_WORDS)
     elif PREFETCH:
         dst, in_range, values, word = load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
@@ -102,7 +102,7 @@ def _engram_lookup_kernel(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
                 BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
             store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
-                        STORE_CACHE)
+                       STORE_CACHE)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
     else:
         for tile in tl.range(tile, num_tiles, num_programs):
@@ -110,7 +110,7 @@ def _engram_lookup_kernel(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
                 BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
             store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
-                        STORE_CACHE)
+                       STORE_CACHE)
 
 
 def table_placement(table: torch.Tensor | None, peer_bases: torch.Tensor | None) -> str:
