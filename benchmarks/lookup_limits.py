@@ -180,13 +180,36 @@ LAUNCHES = [kernel.TileConfig(16, 8, 4), kernel.TileConfig(16, 16, 4, True),
             kernel.TileConfig(64, 2, 4), kernel.TileConfig(16, 12, 4)]
 
 
+def lookup_id_sets(num_ids: int, num_rows: int, generator) -> list[torch.Tensor]:
+    """4 sets of uniform random ids `[num_rows / 24, 24]` over a table of `num_ids` rows."""
+    return [torch.randint(0, num_ids, (num_rows // NUM_COLS, NUM_COLS), generator=generator,
+                          device="cuda:0") for _ in range(4)]
+
+
+def moved_bytes(num_rows: int, out: str) -> int:
+    """Bytes a lookup moves: 264 read + the output row written, per row."""
+    return num_rows * (ROW_BYTES + (ROW_BYTES if out == "packed" else 2 * HEAD_DIM))
+
+
+def timed_launch(table: torch.Tensor, placement: str, config, ids: list, out: str,
+                 expected: torch.Tensor, budget_s: float) -> tuple[bool, dict]:
+    """(output equal to `expected`, timing) of lookups of `table` with `config` as the
+    placement's launch for its tile rows."""
+    with launch_config(placement, config):
+        got = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out,
+                                   block_rows=config.block_rows)
+        equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        return equal, timed(lambda i: kernel.engram_lookup(
+            ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
+            block_rows=config.block_rows), budget_s)
+
+
 def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
     """Each launch, the first with each hint; outputs checked equal to the default launch's."""
     found = []
     generator = torch.Generator(device="cuda:0").manual_seed(11)
     for num_rows in LARGE_ROWS:
-        ids = [torch.randint(0, table.shape[0], (num_rows // NUM_COLS, NUM_COLS),
-                             generator=generator, device="cuda:0") for _ in range(4)]
+        ids = lookup_id_sets(table.shape[0], num_rows, generator)
         for out in ("packed", "bf16"):
             expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
             cases = [(f"{c.block_rows}x{c.programs_per_sm}/SM w{c.num_warps}"
@@ -194,17 +217,10 @@ def lookup_variants(table: torch.Tensor, budget_s: float) -> list[dict]:
             cases += [(f"16x8/SM w4 {hint}", replace(LAUNCHES[0], **HINTS[hint]), hint)
                       for hint in HINTS]
             for name, config, hint in cases:
-                with launch_config("hbm", config):
-                    got = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out,
-                                               block_rows=config.block_rows)
-                    equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-                    t = timed(lambda i: kernel.engram_lookup(
-                        ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
-                        block_rows=config.block_rows), budget_s)
-                moved = num_rows * (ROW_BYTES + (ROW_BYTES if out == "packed" else 512))
+                equal, t = timed_launch(table, "hbm", config, ids, out, expected, budget_s)
                 found.append({"rows": num_rows, "out": out, "variant": name, "hint": hint,
                               "equal_to_default": equal, **t,
-                              "GBps": moved / t["median_ms"] / 1e6})
+                              "GBps": moved_bytes(num_rows, out) / t["median_ms"] / 1e6})
                 print(json.dumps(found[-1]), flush=True)
     return found
 
@@ -216,8 +232,7 @@ def split_variants(table: torch.Tensor, placement: str, budget_s: float) -> list
     found = []
     generator = torch.Generator(device="cuda:0").manual_seed(17)
     for num_rows in LARGE_ROWS:
-        ids = [torch.randint(0, table.shape[0], (num_rows // NUM_COLS, NUM_COLS),
-                             generator=generator, device="cuda:0") for _ in range(4)]
+        ids = lookup_id_sets(table.shape[0], num_rows, generator)
         for out in ("packed", "bf16"):
             expected = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table, out=out)
             cases = []
@@ -229,17 +244,11 @@ def split_variants(table: torch.Tensor, placement: str, budget_s: float) -> list
                                   replace(committed, split_bytes=split, prefetch=prefetch)))
             for rnd in range(2):
                 for name, config in cases:
-                    with launch_config(placement, config):
-                        got = kernel.engram_lookup(ids[0], head_dim=HEAD_DIM, table=table,
-                                                   out=out, block_rows=config.block_rows)
-                        equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-                        t = timed(lambda i: kernel.engram_lookup(
-                            ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
-                            block_rows=config.block_rows), budget_s)
-                    written = ROW_BYTES if out == "packed" else 2 * HEAD_DIM
+                    equal, t = timed_launch(table, placement, config, ids, out, expected,
+                                            budget_s)
                     found.append({"placement": placement, "round": rnd, "rows": num_rows,
                                   "out": out, "variant": name, "equal_to_committed": equal, **t,
-                                  "GBps": num_rows * (ROW_BYTES + written) / t["median_ms"] / 1e6,
+                                  "GBps": moved_bytes(num_rows, out) / t["median_ms"] / 1e6,
                                   "read_GBps": num_rows * ROW_BYTES / t["median_ms"] / 1e6})
                     print(json.dumps(found[-1]), flush=True)
     return found
@@ -319,8 +328,7 @@ def fetch_granularity(table: torch.Tensor, budget_s: float, peer_gib: int) -> tu
             if source is None:
                 continue
             rows = source.shape[0] if name == "hbm" else source.num_rows
-            ids = [torch.randint(0, rows, (num_rows // NUM_COLS, NUM_COLS),
-                                 generator=generator, device="cuda:0") for _ in range(4)]
+            ids = lookup_id_sets(rows, num_rows, generator)
             for out in ("packed", "bf16"):
                 cases.append((name, source, ids, out))
     flat = table.view(-1)
@@ -345,10 +353,9 @@ def fetch_granularity(table: torch.Tensor, budget_s: float, peer_gib: int) -> tu
                 equal = torch.equal(lookup_of(name, source, ids[0], out).view(torch.uint8),
                                     expected[(name, num_rows, out)].view(torch.uint8))
                 t = timed(lambda i: lookup_of(name, source, ids[i % 4], out), budget_s)
-                written = ROW_BYTES if out == "packed" else 2 * HEAD_DIM
                 row = {"round": rnd, "fetch": label, "case": f"{name} lookup", "rows": num_rows,
                        "out": out, "equal_to_default": equal, **t,
-                       "GBps": num_rows * (ROW_BYTES + written) / t["median_ms"] / 1e6}
+                       "GBps": moved_bytes(num_rows, out) / t["median_ms"] / 1e6}
                 if name == "peer":
                     row["remote_GBps"] = num_rows / 2 * ROW_BYTES / t["median_ms"] / 1e6
                 found.append(row)

@@ -58,6 +58,9 @@ def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK
     no sector is asked for twice; cut at a 128-byte line (16), each of a row's three lines is
     asked for once (a values load + a scale-word load: up to 4 requests, 10 sectors).
     Returns (output rows, in range, head words per row, head [R, SPLIT_WORDS], body [R, 32])."""
+    # Row addressing as in load_tile, but as an integer address (the cut depends on it); not
+    # shared with load_tile: that path's exact instruction sequence is the one run on Triton
+    # 3.6, where restructuring it once hit a compiler bug.
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
     row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
