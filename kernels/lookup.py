@@ -65,6 +65,7 @@ def _engram_lookup_kernel(
     STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
     SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = loads cut at a sector / line
+    NUM_STAGES: tl.constexpr = 0,    # > 1: tiles in flight through cp.async (not with PREFETCH)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
@@ -86,7 +87,7 @@ def _engram_lookup_kernel(
                 dst, in_range, head_words = next_dst, next_in_range, next_head_words
                 head, body = next_head, next_body
         else:
-            for tile in tl.range(tile, num_tiles, num_programs):
+            for tile in tl.range(tile, num_tiles, num_programs, num_stages=NUM_STAGES or None):
                 dst, in_range, head_words, head, body = load_tile_split(
                     src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
                     IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS)
@@ -105,7 +106,7 @@ def _engram_lookup_kernel(
                        STORE_CACHE)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
     else:
-        for tile in tl.range(tile, num_tiles, num_programs):
+        for tile in tl.range(tile, num_tiles, num_programs, num_stages=NUM_STAGES or None):
             dst, in_range, values, word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
                 BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32)
@@ -203,7 +204,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     Returns on `out_device` (default: row_ids', peer_bases' or table's CUDA device):
     uint8 `[num_tokens, num_cols, row_bytes]` or bf16 `[num_tokens, num_cols, head_dim]`.
     block_rows / programs_per_sm / num_warps / prefetch: None = the measured policy
-    (`choose_block_rows`, `TILE_CONFIGS`). sort_rows: None = policy (`SORT_MIN_ROWS`; the
+    (`choose_block_rows`, `TILE_CONFIGS`); prefetch=True replaces a pipelined launch's
+    cp.async stages (`TileConfig.num_stages`) by the register prefetch. sort_rows: None = policy (`SORT_MIN_ROWS`; the
     output is identical either way).
     into: optional preallocated output (contiguous, the shape and dtype above) to write.
     """
@@ -228,7 +230,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                                                                      placement))
     config = replace(config, programs_per_sm=programs_per_sm or config.programs_per_sm,
                      num_warps=num_warps or config.num_warps,
-                     prefetch=config.prefetch if prefetch is None else prefetch)
+                     prefetch=config.prefetch if prefetch is None else prefetch,
+                     num_stages=0 if prefetch else config.num_stages)
     if sort_rows is None:
         sort_rows = num_rows >= SORT_MIN_ROWS[placement]
     dst_rows = ids
@@ -250,7 +253,7 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
                   and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
-                  SPLIT_WORDS=split_words(config, head_dim, out))
+                  SPLIT_WORDS=split_words(config, head_dim, out), NUM_STAGES=config.num_stages)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

@@ -13,6 +13,7 @@ LOAD_EVICT = ("", "evict_first", "evict_last")
 STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
 SPLIT_BYTES = (0, 32, 128)  # where row loads are cut: nowhere, a sector, a line
 SPLIT_HEAD_DIM = 256  # rows cut: 264 bytes = 33 eight-byte words
+PIPELINE_STAGES = (0, 2, 3, 4, 5, 6, 8)  # TileConfig.num_stages: 0 = no software pipeline
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class TileConfig:
     `split_bytes` 0 = one values load + one scale-word load, 32 / 128 = two loads cut at the
     row's first 32-byte sector / 128-byte line boundary (no sector / no line asked for twice;
     other row widths ignore it; cut launches take the load hints but not `store_cache`);
-    `split_bf16` False keeps bf16 output's loads uncut."""
+    `split_bf16` False keeps bf16 output's loads uncut; `num_stages` >= 2 keeps that many
+    tiles of each program in flight through Triton's software pipeline (cp.async copies into
+    shared memory; 0 = plain loads into registers; not with `prefetch`, its register form)."""
 
     block_rows: int
     programs_per_sm: int
@@ -37,6 +40,7 @@ class TileConfig:
     rows_32: bool = False
     split_bytes: int = 0
     split_bf16: bool = True
+    num_stages: int = 0
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -47,6 +51,9 @@ class TileConfig:
                              f"{self.num_warps}; expected >= 1 / a power of two <= 16")
         if self.split_bytes not in SPLIT_BYTES:
             raise ValueError(f"split_bytes is {self.split_bytes!r}; expected one of {SPLIT_BYTES}")
+        if self.num_stages not in PIPELINE_STAGES or (self.num_stages and self.prefetch):
+            raise ValueError(f"num_stages is {self.num_stages!r} with prefetch {self.prefetch}; "
+                             f"expected one of {PIPELINE_STAGES}, and 0 with prefetch")
         for name, value, allowed in (("load_cache", self.load_cache, LOAD_CACHE),
                                      ("load_evict", self.load_evict, LOAD_EVICT),
                                      ("store_cache", self.store_cache, STORE_CACHE)):

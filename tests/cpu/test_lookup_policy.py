@@ -79,3 +79,14 @@ def test_split_words_of_a_launch():
     assert (split_words(peer, 256, "packed"), split_words(peer, 256, "bf16")) == (16, 16)
     assert split_words(peer, 128, "packed") == 0 and split_words(peer, 512, "bf16") == 0
     assert split_words(TileConfig(16, 8, 4), 256, "packed") == 0
+
+
+def test_pipeline_stages_are_validated_and_exclude_prefetch():
+    """TileConfig.num_stages: 0 (loads into registers) or a cp.async pipeline depth; the
+    register prefetch is the other way to keep a second tile in flight, so not both."""
+    assert TileConfig(16, 8, 4).num_stages == 0
+    assert TileConfig(16, 8, 4, num_stages=3).num_stages == 3
+    with pytest.raises(ValueError, match=r"num_stages is 1 with prefetch False; expected one of"):
+        TileConfig(16, 8, 4, num_stages=1)
+    with pytest.raises(ValueError, match=r"num_stages is 2 with prefetch True; .* 0 with prefetch"):
+        TileConfig(16, 8, 4, prefetch=True, num_stages=2)
