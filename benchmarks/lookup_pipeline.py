@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engram_ray.host_memory import allocate_host_table  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
+from engram_ray.kernels.lookup_policy import split_words  # noqa: E402
 from lookup_limits import (lookup_id_sets, moved_bytes, sequential_ceilings,  # noqa: E402
                            timed_launch)
 from lookup_timing import GIB, ROW_BYTES, fill_random  # noqa: E402
@@ -45,13 +46,13 @@ PIPELINED = ([(16, p, 4) for p in (4, 8, 12, 16)] + [(32, p, 4) for p in (2, 4, 
 STAGES = {16: (2, 3, 4), 32: (2, 3, 4), 64: (2, 3), 128: (2, 3)}
 
 
-def label(config: kernel.TileConfig) -> str:
+def label(config: kernel.TileConfig, out: str) -> str:
     parts = [f"{config.block_rows}x{config.programs_per_sm}/SM w{config.num_warps}"]
     if config.num_stages:
         parts.append(f"stages {config.num_stages}")
     if config.prefetch:
         parts.append("prefetch")
-    if config.split_bytes:
+    if split_words(config, 256, out):
         parts.append(f"cut {config.split_bytes}")
     return " ".join(parts)
 
@@ -83,7 +84,7 @@ def time_cases(table, placement: str, cases: list, rows_list, seed: int, budget_
                         expected = kernel.engram_lookup(ids[0], head_dim=256, table=table,
                                                         out=out, block_rows=config.block_rows)
                     row = {**extra, "placement": placement, "round": rnd, "rows": num_rows,
-                           "out": out, "variant": label(config),
+                           "out": out, "variant": label(config, out),
                            "config": config.__dict__.copy()}
                     try:
                         equal, t = timed_launch(table, placement, config, ids, out, expected,
@@ -207,7 +208,8 @@ def markdown(report: dict) -> str:
                   "median ms | p99 ms | GB/s | % copy |", "|---|---|---|---|---|---|---|---|---|---|"]
         best: dict[tuple, dict] = {}
         for r in report[part]:
-            key = (r["table_gib"], r["placement"], r["rows"], r["out"], r["variant"])
+            variant = label(kernel.TileConfig(**r["config"]), r["out"])
+            key = (r["table_gib"], r["placement"], r["rows"], r["out"], variant)
             if "error" in r:
                 best.setdefault(key, r)
             elif "error" in best.get(key, {"error": 1}) or r["median_ms"] < best[key]["median_ms"]:

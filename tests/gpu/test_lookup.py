@@ -317,7 +317,7 @@ def test_tables_with_split_loads(hbm_table, host_table, thp_table, split_bytes, 
 @pytest.mark.parametrize("split_bytes", [0, 32, 128])
 @pytest.mark.parametrize("placement", ["hbm", "host", "host_thp", "peer"])
 @pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("block_rows", [16, 128, None], ids=lambda r: f"r{r}" if r else "policy")
+@pytest.mark.parametrize("block_rows", [16, 128])
 def test_pipelined_loads(hbm_table, host_table, thp_table, num_stages, split_bytes, placement,
                          out, block_rows, monkeypatch):
     """TileConfig.num_stages (tiles in flight through cp.async into shared memory, masked
