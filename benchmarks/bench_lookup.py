@@ -64,20 +64,32 @@ def baseline(table, ids_cpu, ids, out):
     return rows if out == "packed" else dequantize_rows(rows, HEAD_DIM)
 
 
-# Variants are timed in turn, ROUNDS times each with a share of the budget, so that drift
-# between modes (small host lookups are bimodal) falls on every variant alike.
+# Variants take turns launch by launch (r16, r128, ..., policy, r16, ...), in ROUNDS runs of
+# the timing loop, so that drift between modes (small host lookups are bimodal) falls on every
+# variant alike.
 ROUNDS = 5
+
+
+def interleaved_times(variants: dict, lookup, budget_s: float) -> dict[str, list[float]]:
+    """Milliseconds per variant: launch i runs variant i % V with id set i // V (mod the
+    sets); `lookup(id_set, **options)` launches one lookup."""
+    names = list(variants)
+    times = {name: [] for name in names}
+
+    def run(i):
+        lookup(i // len(names), **variants[names[i % len(names)]])
+    for _ in range(ROUNDS):
+        samples = time_launches(run, budget_s=budget_s * len(names) / ROUNDS,
+                                min_reps=4 * len(names), max_reps=40 * len(names))
+        for i, ms in enumerate(samples[:len(samples) - len(samples) % len(names)]):
+            times[names[i % len(names)]].append(ms)
+    return times
 
 
 def measure(table, out, num_tokens, variants, budget_s, with_baseline=False) -> list[dict]:
     ids = table.id_sets(num_tokens, seed=num_tokens)
-    times = {name: [] for name in variants}
-    for _ in range(ROUNDS):
-        for name, options in variants.items():
-            def run(i, options=options):
-                table.lookup(ids[i % NUM_ID_SETS], out=out, **options)
-            times[name] += time_launches(run, budget_s=budget_s / ROUNDS, min_reps=4,
-                                         max_reps=40)
+    times = interleaved_times(variants, lambda i, **options: table.lookup(
+        ids[i % NUM_ID_SETS], out=out, **options), budget_s)
     found = [{"variant": name, **stats(t)} for name, t in times.items()]
     if with_baseline:
         ids_cpu = [part.cpu() for part in ids]
