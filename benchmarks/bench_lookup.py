@@ -31,7 +31,7 @@ import lookup_tuning  # noqa: E402
 from engram_ray.host_memory import huge_page_bytes  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
 from engram_ray.reference import dequantize_rows  # noqa: E402
-from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, NUM_ID_SETS, ROW_BYTES, Table,  # noqa: E402
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, Table,  # noqa: E402
                            copy_ceilings, stats, time_launches)
 
 # ~1K, 4K, 16K, 32K, 64K, 256K, 1M and 1.57M looked-up rows (65536 tokens: vLLM's bar).
@@ -71,13 +71,13 @@ ROUNDS = 5
 
 
 def interleaved_times(variants: dict, lookup, budget_s: float) -> dict[str, list[float]]:
-    """Milliseconds per variant: launch i runs variant i % V with id set i // V (mod the
-    sets); `lookup(id_set, **options)` launches one lookup."""
+    """Milliseconds per variant: launch i runs variant i % V on id set i (mod the sets: no
+    two launches in a row read the same rows); `lookup(i, **options)` launches one lookup."""
     names = list(variants)
     times = {name: [] for name in names}
 
     def run(i):
-        lookup(i // len(names), **variants[names[i % len(names)]])
+        lookup(i, **variants[names[i % len(names)]])
     for _ in range(ROUNDS):
         samples = time_launches(run, budget_s=budget_s * len(names) / ROUNDS,
                                 min_reps=4 * len(names), max_reps=40 * len(names))
@@ -89,12 +89,12 @@ def interleaved_times(variants: dict, lookup, budget_s: float) -> dict[str, list
 def measure(table, out, num_tokens, variants, budget_s, with_baseline=False) -> list[dict]:
     ids = table.id_sets(num_tokens, seed=num_tokens)
     times = interleaved_times(variants, lambda i, **options: table.lookup(
-        ids[i % NUM_ID_SETS], out=out, **options), budget_s)
+        ids[i % len(ids)], out=out, **options), budget_s)
     found = [{"variant": name, **stats(t)} for name, t in times.items()]
     if with_baseline:
         ids_cpu = [part.cpu() for part in ids]
         found.append({"variant": "index_select", **stats(time_launches(
-            lambda i: baseline(table, ids_cpu[i % NUM_ID_SETS], ids[i % NUM_ID_SETS], out),
+            lambda i: baseline(table, ids_cpu[i % len(ids)], ids[i % len(ids)], out),
             budget_s=budget_s, min_reps=5, max_reps=50,
             wall=table.placement.startswith("host")))})
     for row in found:

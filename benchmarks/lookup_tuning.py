@@ -11,7 +11,7 @@ import json
 from dataclasses import replace
 
 from engram_ray.kernels import lookup as kernel
-from lookup_timing import NUM_ID_SETS, stats, time_launches
+from lookup_timing import stats, time_launches
 
 SWEEP_TOKENS = {"hbm": (43691, 2731), "peer": (43691, 2731), "host": (43691,),
                 "host_thp": (43691,)}
@@ -39,7 +39,7 @@ def sweep(table, budget_s: float) -> list[dict]:
                                                    4 if block_rows == 16 else 8, prefetch)
 
                         def run(i, config=config):
-                            table.lookup(ids[i % NUM_ID_SETS], out=out,
+                            table.lookup(ids[i % len(ids)], out=out,
                                          block_rows=config.block_rows,
                                          programs_per_sm=config.programs_per_sm,
                                          num_warps=config.num_warps, prefetch=config.prefetch,

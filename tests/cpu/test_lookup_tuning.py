@@ -28,3 +28,15 @@ def test_best_configs_keep_the_committed_launch_fields_and_take_the_fastest_grid
     assert (chosen[128].programs_per_sm, chosen[128].prefetch) == (2, False)
     assert chosen[16].split_bytes == committed[16].split_bytes == 128
     assert chosen[16].rows_32 and chosen[128].rows_32 == committed[128].rows_32
+
+
+def test_timed_launches_do_not_reread_recent_rows():
+    """Benchmarks rotate over enough id sets that ~2^18 rows are read before a set comes round
+    again (a host table's warm address translations made the next launch over the same rows
+    4x faster at 4K rows), at least 4 and at most 64 sets."""
+    from lookup_timing import ID_SET_REUSE_ROWS, num_id_sets
+    for num_rows in (1, 1032, 4104, 16392, 65544, 1572864):
+        sets = num_id_sets(num_rows)
+        assert 4 <= sets <= 64
+        assert sets == 64 or sets * num_rows >= ID_SET_REUSE_ROWS or sets == 4
+        assert sets * num_rows >= min(ID_SET_REUSE_ROWS, 64 * num_rows) - num_rows
