@@ -82,9 +82,6 @@ class EngramServerMixin:
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
     async def start(self):
-        import ray
-        from ray import serve
-
         from engram_ray.serving.config import ServeAppConfig
         from engram_ray.serving.groups import get_registry
 
@@ -92,15 +89,38 @@ class EngramServerMixin:
         self._app = app = ServeAppConfig.from_dict(raw, "replica")
         dep = app.deployment
         self._registry = get_registry(raw, dep.name)
-        self._replica_id = serve.get_replica_context().replica_id.unique_id
-        labels = ray.get_runtime_context().get_node_labels() or {}
-        me = ray.get_runtime_context().current_actor
+        self._replica_id, me, labels = self._replica()
         joined_at = time.perf_counter()
         # DPServer sets gang_id, dp_rank and dp_size before start(); LLMServer has none.
         gang = {"gang_id": getattr(self, "gang_id", None),
                 "dp_rank": getattr(self, "dp_rank", 0), "dp_size": getattr(self, "dp_size", 1)}
         self._assignment = a = await self._registry.join.remote(
             self._replica_id, me, labels.get(dep.domain_label_key), **gang)
+        try:  # from here on this replica holds a rank: a failure gives it back at once
+            await self._start_member(a)
+        except BaseException as exc:
+            await self._leave(f"replica failed to start: {type(exc).__name__}: {exc}")
+            raise
+        self.engram_metrics.set_group(a["generation_index"], True,
+                                      rendezvous_seconds=time.perf_counter() - joined_at)
+        await self._attach_stat_logger()
+        await self._register_model_process_target()
+        await self._registry.ready.remote(self._replica_id)
+
+    def _replica(self) -> tuple[str, object, dict]:
+        """(Serve replica id, this replica's actor handle, its node's labels)."""
+        import ray
+        from ray import serve
+
+        return (serve.get_replica_context().replica_id.unique_id,
+                ray.get_runtime_context().current_actor,
+                ray.get_runtime_context().get_node_labels() or {})
+
+    async def _start_member(self, a: dict) -> None:
+        """With rank `a`: engine settings, metrics endpoint and target, then the engine."""
+        import ray
+
+        app = self._app
         identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['member_rank']}",
                                   a["group_id"], a["member_rank"])
         self._model_target_file = os.path.join(
@@ -127,16 +147,7 @@ class EngramServerMixin:
                                              advertise_host=ray.util.get_node_ip_address())
         await self._registry.register_target.remote(self._replica_id,
                                                     self._metrics_server.target)
-        try:
-            await super().start()
-        except BaseException as exc:
-            await self._leave(f"engine failed to start: {type(exc).__name__}: {exc}")
-            raise
-        self.engram_metrics.set_group(a["generation_index"], True,
-                                      rendezvous_seconds=time.perf_counter() - joined_at)
-        await self._attach_stat_logger()
-        await self._register_model_process_target()
-        await self._registry.ready.remote(self._replica_id)
+        await super().start()
 
     async def _register_model_process_target(self) -> None:
         """The model process's lookup metrics endpoint, if it started one

@@ -74,3 +74,16 @@ def test_bundles_follow_the_engine_resources():
     assert DeploymentConfig(num_cpus_per_engine=0).bundle == {"GPU": 1.0}
     cpu = DeploymentConfig(num_gpus_per_engine=0, num_cpus_per_engine=2, table_backend="shm")
     assert cpu.bundle == {"CPU": 2.0}
+
+
+def test_config_errors_survive_pickling():
+    """Ray ships an actor's or a Serve replica's exception to the caller by pickle: a
+    ConfigError must arrive with its field and whole message, not as 'failed to deserialize'."""
+    import pickle
+
+    error = ConfigError("serving.metrics_port", "is 9400, but 127.0.0.1:9400 is taken",
+                        "metrics_port 0")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is ConfigError and copy.field == "serving.metrics_port"
+    assert str(copy) == str(error) == ("serving.metrics_port: is 9400, but 127.0.0.1:9400 is "
+                                       "taken (expected metrics_port 0)")

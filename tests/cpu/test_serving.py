@@ -191,6 +191,53 @@ def test_group_still_moves_when_the_targets_list_cannot_be_written(ray_local, tm
     ray.kill(registry)
 
 
+def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_path):
+    """A replica failing after it took a rank (here: its fixed metrics port is taken on the
+    node) leaves its group itself, with the cause, instead of holding the rank until the
+    liveness watch finds its actor dead. The replica is the real `EngramServerMixin.start`
+    in a Ray actor; only Serve's replica context and the vLLM engine are stood in for."""
+    ray = ray_local
+    from engram_ray.serving.config import ServeAppConfig
+    from engram_ray.serving.exposition import MetricsServer
+    from engram_ray.serving.groups import get_registry
+    from engram_ray.serving.server import EngramServerMixin
+
+    taken = MetricsServer([], "127.0.0.1", 0)
+    raw = app_config("serve_local_tiny.yaml").to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="taken-port",
+                             peer_group_size=1)  # a fixed port: one engine per node
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"),
+                          metrics_bind_address="127.0.0.1", metrics_port=taken.port)
+    config = llm_config(ServeAppConfig.from_dict(raw, "test"))
+    registry = get_registry(raw, "taken-port")
+
+    class NoEngine:
+        async def start(self):
+            raise AssertionError("the engine must not start without a metrics endpoint")
+
+    @ray.remote(num_cpus=0)
+    class Replica(EngramServerMixin, NoEngine):
+        def __init__(self, llm_config):
+            self._llm_config = llm_config
+
+        def _replica(self):
+            return "replica-0", ray.get_runtime_context().current_actor, {}
+
+    replica = Replica.remote(config)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="is taken on this node"):
+            ray.get(replica.start.remote())
+        assert ray.get(registry.is_current.remote("replica-0"))[0] is False
+        (index, reason), = ray.get(registry.status.remote())["group-0"]["history"]
+        assert index == 1 and reason.startswith(
+            "replica-0: replica failed to start: ConfigError: serving.metrics_port: is "
+            f"{taken.port}, but 127.0.0.1:{taken.port} is taken on this node")
+    finally:
+        taken.stop()
+        ray.kill(replica)
+        ray.kill(registry)
+
+
 def test_registry_gives_data_parallel_gangs_aligned_blocks(ray_local, tmp_path):
     """DEP2 in a group of 8: a gang's DP rank d is member base + d (the plugin's convention)."""
     ray = ray_local
