@@ -174,6 +174,18 @@ def _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out) -> Non
                              "with peer_bases")
 
 
+def _check_row_ids(ids: torch.Tensor, shape: torch.Size, num_table_rows: int) -> None:
+    """ValueError naming the first of `ids` (flattened `shape`) outside [-1, num_table_rows)."""
+    bad = (ids < -1) | (ids >= num_table_rows)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        where = (position // shape[-1], position % shape[-1])
+        raise ValueError(f"row_ids[{where[0]}, {where[1]}] is {int(ids[position])}; expected -1 "
+                         f"(no row) or a row of the table, 0..{num_table_rows - 1}; ids come "
+                         "from the n-gram hash (engram_ray.hashing): check that the table "
+                         "and the hash use the same layout")
+
+
 def _out_device(out_device, row_ids, table, peer_bases) -> torch.device:
     if out_device is not None:
         device = torch.device(out_device)
@@ -192,8 +204,8 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   out: str = "packed", block_rows: int | None = None,
                   out_device: torch.device | str | None = None, sort_rows: bool | None = None,
                   programs_per_sm: int | None = None, num_warps: int | None = None,
-                  prefetch: bool | None = None, into: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+                  prefetch: bool | None = None, into: torch.Tensor | None = None,
+                  check_ids: bool = False) -> torch.Tensor:
     """Look up rows; bitwise equal to `lookup_reference` / `lookup_reference_split`.
 
     row_ids: int64 `[num_tokens, num_cols]`, -1 = no row (zeros). Ids must be < table rows.
@@ -208,6 +220,10 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     cp.async stages (`TileConfig.num_stages`) by the register prefetch. sort_rows: None = policy (`SORT_MIN_ROWS`; the
     output is identical either way).
     into: optional preallocated output (contiguous, the shape and dtype above) to write.
+    check_ids: refuse ids outside [-1, table rows) (peer: rows_per_rank x P) with a ValueError
+        naming the first one, before launching; costs a device sync, so the serving path
+        (ids from the n-gram hash, in range by construction) leaves it off. Unchecked, such
+        an id reads whatever memory it points at.
     """
     _check_args(row_ids, head_dim, table, peer_bases, rows_per_rank, out)
     device = _out_device(out_device, row_ids, table, peer_bases)
@@ -225,6 +241,9 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
         return result
     if num_rows >= 1 << 30:
         raise ValueError(f"lookup of {num_rows} rows; expected fewer than 2^30 per call")
+    if check_ids:
+        _check_row_ids(ids, row_ids.shape, table.shape[0] if table is not None
+                       else rows_per_rank * peer_bases.numel())
     placement = table_placement(table, peer_bases)
     config = tile_config(placement, block_rows or choose_block_rows(num_rows, row_bytes,
                                                                      placement))

@@ -199,6 +199,29 @@ def test_policy_and_argument_errors(hbm_table):
         _lookup(row_ids=ids, table=hbm_table, block_rows=24)
 
 
+@pytest.mark.parametrize("placement", ["hbm", "peer"])
+def test_checked_ids_outside_the_table_are_refused(hbm_table, placement):
+    """check_ids=True: an id past the table (peer: past rows_per_rank x P) or below -1 is named
+    with its [token, column] before any launch; in-range ids (-1 included) look up as usual."""
+    source = {"table": hbm_table}
+    limit = NUM_ROWS
+    if placement == "peer":
+        slices = hbm_table.split(ROWS_PER_RANK)
+        source = {"peer_bases": torch.tensor([piece.data_ptr() for piece in slices],
+                                             dtype=torch.int64, device="cuda:0"),
+                  "rows_per_rank": ROWS_PER_RANK}
+        limit = ROWS_PER_RANK * len(slices)
+    ids = _row_ids((43, 3), seed=5).clamp(max=NUM_ROWS - 1)
+    got = _lookup(row_ids=ids, out="packed", check_ids=True, **source)
+    _assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out="packed"))
+    for bad in (limit, -2):
+        wrong = ids.clone()
+        wrong[7, 2] = bad
+        with pytest.raises(ValueError, match=rf"row_ids\[7, 2\] is {bad}; expected -1 \(no "
+                                             rf"row\) or a row of the table, 0\.\.{limit - 1}"):
+            _lookup(row_ids=wrong, out="packed", check_ids=True, **source)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("out", OUTS)
