@@ -4,12 +4,12 @@ over two GPUs (peer).
 
 DeepSeek-V4.1-Flash rows (264 bytes, 24 columns per token), uniform random ids, tables of
 `--hbm-gib` (peer: that much on each GPU) / `--host-gib`. Per launch: device events after
-warm-up with L2 flushed, over rotating id sets (no launch reads the rows of a recent one:
-cold address translations); `policy_reread` is the policy reading the rows the launch before
-it read (warm translations: consecutive steps asking for the same n-grams); median and p99. Bytes moved = rows x (264 read
-+ output written: 264 packed, 512 bf16); HBM and peer GB/s are compared with the measured
-device copy ceiling (read + write), host tables' bytes read with the measured host-to-device
-copy ceiling.
+warm-up with L2 flushed, variants taking turns launch by launch, over rotating id sets (no
+launch reads the rows of a recent one: cold address translations); `policy_reread` is the
+policy reading the rows the launch before it read (warm translations: consecutive steps
+asking for the same n-grams); median and p99. Bytes moved = rows x (264 read + output
+written: 264 packed, 512 bf16); HBM and peer GB/s are compared with the measured device copy
+ceiling (read + write), host tables' bytes read with the measured host-to-device copy ceiling.
 
 With `--tune` (the default) the tile launches and the thresholds are measured first
 (benchmarks/lookup_tuning.py) and used for the policy rows; they are in the JSON report.
@@ -82,7 +82,8 @@ def interleaved_times(variants: dict, lookup, budget_s: float) -> dict[str, list
         lookup(i, **variants[names[i % len(names)]])
     for _ in range(ROUNDS):
         samples = time_launches(run, budget_s=budget_s * len(names) / ROUNDS,
-                                min_reps=4 * len(names), max_reps=40 * len(names))
+                                min_reps=4 * len(names), max_reps=40 * len(names),
+                                warmup=2 * len(names))
         for i, ms in enumerate(samples[:len(samples) - len(samples) % len(names)]):
             times[names[i % len(names)]].append(ms)
     return times
@@ -144,11 +145,12 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
             variants = {"policy": {}} if args.tune else {**fixed_variants(placement),
                                                          "policy": {}}
             variants["policy_reread"] = {"reread": True}  # right after "policy"
-            rows += measure(table, out, num_tokens, variants, budget, with_baseline=(
+            found = measure(table, out, num_tokens, variants, budget, with_baseline=(
                 not placement.startswith("host") or num_rows <= args.max_host_baseline_rows))
-            for row in rows[-len(variants) - 1:]:
+            for row in found:
                 if row["variant"].startswith("policy"):
                     row["block_rows"] = kernel.choose_block_rows(num_rows, ROW_BYTES, placement)
+            rows += found
     for row in rows:
         add_rates(row, ceilings)
         print(f"{placement:8} {row['out']:6} {row['rows']:>8} {row['variant']:13} "

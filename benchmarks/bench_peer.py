@@ -41,7 +41,6 @@ TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads
 SMALL = EngramLayout(layer_ids=(1, 14), vocab_size=2_000_000, max_ngram_size=4, n_heads=8,
                      head_dim=256, compressed_vocab_size=99092, pad_token_id=2)
 LOOKUP_ROWS = [1024, 8192, 65536, 262144, 1048576, 1572864]
-NUM_ID_SETS = 4
 GIB = 1 << 30
 
 
@@ -165,18 +164,19 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
     local index_select baseline; at >= `sweep_min_rows` rows also kernel tile variants."""
     from bench_lookup import stats, time_launches
     from engram_ray.kernels.lookup import engram_lookup
+    from lookup_timing import num_id_sets
 
     table = tables.tables[layout.layer_ids[0]]
     per_rank, peer_rows = table.rows_per_rank, table.num_rows - table.rows_per_rank
     rows = []
     for num_rows in LOOKUP_ROWS:
         id_sets = [half_remote_ids(table, num_rows, layout.num_cols, k, "cuda:0")
-                   for k in range(NUM_ID_SETS)]
+                   for k in range(num_id_sets(num_rows))]
         local_sets = [ids.clamp(min=0).remainder(per_rank) for ids in id_sets]
         remote_sets = [per_rank + ids.remainder(peer_rows) for ids in local_sets]
 
         def timed(sets, fn=table.lookup):
-            return stats(time_launches(lambda i: fn(sets[i % NUM_ID_SETS]), budget_s=budget_s))
+            return stats(time_launches(lambda i: fn(sets[i % len(sets)]), budget_s=budget_s))
 
         peer, remote = timed(id_sets), timed(remote_sets)
         peer_bf16 = timed(id_sets, lambda ids: table.lookup(ids, out="bf16"))

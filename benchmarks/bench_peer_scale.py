@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peer import GIB, LOOKUP_ROWS, NUM_ID_SETS, SMALL, environment  # noqa: E402
+from bench_peer import GIB, LOOKUP_ROWS, SMALL, environment  # noqa: E402
+from lookup_timing import num_id_sets  # noqa: E402
 from bench_peer import peer_copy_ceiling, write_report  # noqa: E402
 from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
 from engram_ray.peer.local_group import (expected_rows, file_barrier, random_row_ids,  # noqa: E402
@@ -77,11 +78,12 @@ def member_lookups(rank: int, size: int, table, layout: EngramLayout, barrier_di
     rows = []
     for num_rows in LOOKUP_ROWS:
         id_sets = [uniform_ids(num_rows, table.num_rows, layout.num_cols,
-                               1000 * rank + 10 * k + size, device) for k in range(NUM_ID_SETS)]
+                               1000 * rank + 10 * k + size, device)
+                   for k in range(num_id_sets(num_rows))]
         sample = id_sets[0][:SAMPLE_TOKENS]
         equal = torch.equal(table.lookup(sample), expected_rows(sample, layout.head_dim))
         file_barrier(barrier_dir, f"lookup-{num_rows}", rank, list(range(size)), 300)
-        timing = stats(time_launches(lambda i: table.lookup(id_sets[i % NUM_ID_SETS]),
+        timing = stats(time_launches(lambda i: table.lookup(id_sets[i % len(id_sets)]),
                                      budget_s=budget_s))
         ids = id_sets[0]
         remote = int((ids // table.rows_per_rank != rank).sum())

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engram_ray.host_memory import allocate_host_table, huge_page_bytes  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # noqa: E402
-                           launch_config, stats, time_launches)
+                           launch_config, num_id_sets, stats, time_launches)
 
 SECTOR = 32
 LARGE_ROWS = (262152, 1572864)   # 10923 and 65536 tokens x 24 columns
@@ -181,9 +181,10 @@ LAUNCHES = [kernel.TileConfig(16, 8, 4), kernel.TileConfig(16, 16, 4, True),
 
 
 def lookup_id_sets(num_ids: int, num_rows: int, generator) -> list[torch.Tensor]:
-    """4 sets of uniform random ids `[num_rows / 24, 24]` over a table of `num_ids` rows."""
+    """Sets (`num_id_sets`) of uniform random ids `[num_rows / 24, 24]` over a table of
+    `num_ids` rows."""
     return [torch.randint(0, num_ids, (num_rows // NUM_COLS, NUM_COLS), generator=generator,
-                          device="cuda:0") for _ in range(4)]
+                          device="cuda:0") for _ in range(num_id_sets(num_rows))]
 
 
 def moved_bytes(num_rows: int, out: str) -> int:
@@ -200,7 +201,7 @@ def timed_launch(table: torch.Tensor, placement: str, config, ids: list, out: st
                                    block_rows=config.block_rows)
         equal = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
         return equal, timed(lambda i: kernel.engram_lookup(
-            ids[i % 4], head_dim=HEAD_DIM, table=table, out=out,
+            ids[i % len(ids)], head_dim=HEAD_DIM, table=table, out=out,
             block_rows=config.block_rows), budget_s)
 
 
@@ -352,7 +353,7 @@ def fetch_granularity(table: torch.Tensor, budget_s: float, peer_gib: int) -> tu
                 num_rows = ids[0].numel()
                 equal = torch.equal(lookup_of(name, source, ids[0], out).view(torch.uint8),
                                     expected[(name, num_rows, out)].view(torch.uint8))
-                t = timed(lambda i: lookup_of(name, source, ids[i % 4], out), budget_s)
+                t = timed(lambda i: lookup_of(name, source, ids[i % len(ids)], out), budget_s)
                 row = {"round": rnd, "fetch": label, "case": f"{name} lookup", "rows": num_rows,
                        "out": out, "equal_to_default": equal, **t,
                        "GBps": moved_bytes(num_rows, out) / t["median_ms"] / 1e6}

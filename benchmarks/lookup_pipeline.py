@@ -205,7 +205,7 @@ def markdown(report: dict) -> str:
         if part not in report:
             continue
         lines += [f"## {part}", "", "| table GiB | place | rows | out | launch | equal | "
-                  "median ms | p99 ms | GB/s | % copy |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "median ms | p99 ms | GB/s | % copy |", "|---" * 10 + "|"]
         best: dict[tuple, dict] = {}
         for r in report[part]:
             variant = label(kernel.TileConfig(**r["config"]), r["out"])
@@ -219,9 +219,11 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {gib} | {place} | {rows} | {out} | {variant} | error: "
                              f"{r['error'][:80]} | | | | |")
                 continue
+            # host rows: the device copy is no ceiling for PCIe reads
+            percent = "" if place.startswith("host") else f"{100 * r['GBps'] / copy:.1f}%"
             lines.append(f"| {gib} | {place} | {rows} | {out} | {variant} | "
                          f"{r['equal_to_committed']} | {r['median_ms']:.4f} | {r['p99_ms']:.4f} | "
-                         f"{r['GBps']:.0f} | {100 * r['GBps'] / copy:.1f}% |")
+                         f"{r['GBps']:.0f} | {percent} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -25,6 +25,8 @@ def num_id_sets(num_rows: int) -> int:
     """Id sets a timing loop rotates over: NUM_ID_SETS, more for small lookups, so that
     ~ID_SET_REUSE_ROWS rows are read before a set is read again (at most 64 sets)."""
     return max(NUM_ID_SETS, min(64, ID_SET_REUSE_ROWS // max(1, num_rows)))
+
+
 _FLUSH: list[torch.Tensor] = []
 
 

@@ -98,14 +98,14 @@ class EngramServerMixin:
             self._replica_id, me, labels.get(dep.domain_label_key), **gang)
         try:  # from here on this replica holds a rank: a failure gives it back at once
             await self._start_member(a)
+            self.engram_metrics.set_group(a["generation_index"], True,
+                                          rendezvous_seconds=time.perf_counter() - joined_at)
+            await self._attach_stat_logger()
+            await self._register_model_process_target()
+            await self._registry.ready.remote(self._replica_id)
         except BaseException as exc:
             await self._leave(f"replica failed to start: {type(exc).__name__}: {exc}")
             raise
-        self.engram_metrics.set_group(a["generation_index"], True,
-                                      rendezvous_seconds=time.perf_counter() - joined_at)
-        await self._attach_stat_logger()
-        await self._register_model_process_target()
-        await self._registry.ready.remote(self._replica_id)
 
     def _replica(self) -> tuple[str, object, dict]:
         """(Serve replica id, this replica's actor handle, its node's labels)."""

@@ -39,3 +39,4 @@ def test_timed_launches_do_not_reread_recent_rows():
         sets = num_id_sets(num_rows)
         assert 4 <= sets <= 64
         assert sets == 64 or sets * num_rows > ID_SET_REUSE_ROWS - num_rows
+    assert num_id_sets(1572864) == 4 and num_id_sets(1032) == 64  # large: no more than needed
