@@ -11,7 +11,8 @@ MODE=${1:-final}
 source "$(dirname "$0")/gpu_env.sh"
 
 t0=$SECONDS
-timeout 330 python3 -m pytest tests/gpu/test_lookup.py -m "gpu or multi_gpu" -q -p no:cacheprovider \
+timeout 330 python3 -m pytest tests/gpu/test_lookup.py tests/gpu/test_lookup_launches.py \
+    -m "gpu or multi_gpu" -q -p no:cacheprovider \
     -rfEs --timeout 150 -s > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pipelined lookups (TileConfig.num_stages, cp.async) on a lent GPU machine, from the repository
-# root: the pipelined-load tests of tests/gpu/test_lookup.py (TESTS=all: the whole file; none
+# root: the pipelined-load tests of tests/gpu/test_lookup*.py (TESTS=all: both files; none
 # with TESTS=none), then benchmarks/lookup_pipeline.py --parts ${PARTS:-sweep sizes host}, and
 # on 2 GPUs with PEER=1 bench_peer.py gpu --small (its sweep has the pipelined launches).
 # Files in $OUT: pytest.log pipeline.{md,json} [peer_gpu.{md,json}].
@@ -11,7 +11,8 @@ R=$PWD
 t0=$SECONDS
 K=(-k pipelined); [ "${TESTS:-pipelined}" = all ] && K=()
 [ "${TESTS:-pipelined}" = none ] || (cd /tmp && timeout ${TEST_TIMEOUT:-150} python3 -m pytest \
-    "$R/tests/gpu/test_lookup.py" -m "gpu or multi_gpu" "${K[@]}" -q -p no:cacheprovider \
+    "$R/tests/gpu/test_lookup.py" "$R/tests/gpu/test_lookup_launches.py" \
+    -m "gpu or multi_gpu" "${K[@]}" -q -p no:cacheprovider \
     -rfEs -x --rootdir "$R" -c "$R/pyproject.toml") > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
 t0=$SECONDS

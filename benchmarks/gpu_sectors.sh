@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Cut row loads and the L2 fetch granularity on a lent 2-GPU machine, from the repository root.
-# Part `a`: tests/gpu/test_lookup.py (all; only the cut-load tests with SPLIT_ONLY=1; none with
+# Part `a`: tests/gpu/test_lookup*.py (all; only the cut-load tests with SPLIT_ONLY=1; none with
 # SKIP_TESTS=1), then lookup_limits.py --parts ${LIMITS_PARTS:-fetch peer} (L2 fetch
 # granularity; SM reads over NVLink, whole and cut). Part `b`: bench_peer.py gpu --small (launch
 # sweep incl. cut loads) and Nsight Compute's DRAM bytes at the default and a 32-byte L2 fetch
@@ -13,7 +13,8 @@ if [ "${1:-a}" = a ]; then
     t0=$SECONDS
     K=(); [ "${SPLIT_ONLY:-0}" = 1 ] && K=(-k split)
     [ "${SKIP_TESTS:-0}" = 1 ] || (cd /tmp && timeout 300 python3 -m pytest \
-        "$R/tests/gpu/test_lookup.py" -m "gpu or multi_gpu" "${K[@]}" -q -p no:cacheprovider \
+        "$R/tests/gpu/test_lookup.py" "$R/tests/gpu/test_lookup_launches.py" \
+        -m "gpu or multi_gpu" "${K[@]}" -q -p no:cacheprovider \
         -rfEs --rootdir "$R" -c "$R/pyproject.toml") > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
     t0=$SECONDS
