@@ -447,6 +447,15 @@ def ncu_launches(gib: int, fetch: int | None) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
+def environment() -> dict:
+    """GPU 0, date, commit ($ENGRAM_COMMIT), torch and Triton of a report."""
+    props = torch.cuda.get_device_properties(0)
+    return {"device": props.name, "num_sms": props.multi_processor_count,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": os.environ.get("ENGRAM_COMMIT", "unknown"), "torch": torch.__version__,
+            "triton": triton.__version__}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["hbm", "hints", "host"],
@@ -466,12 +475,7 @@ def main() -> None:
     if args.ncu:
         ncu_launches(min(args.hbm_gib, 4), args.l2_fetch)
         return
-    props = torch.cuda.get_device_properties(0)
-    report = {"environment": {
-        "device": props.name, "num_sms": props.multi_processor_count,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("ENGRAM_COMMIT", "unknown"), "torch": torch.__version__,
-        "triton": triton.__version__}}
+    report = {"environment": environment()}
     report["sequential"] = sequential_ceilings(args.budget_s)
     print("sequential", report["sequential"], flush=True)
     if "split" in args.parts:

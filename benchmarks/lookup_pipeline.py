@@ -17,24 +17,21 @@ Usage: python benchmarks/lookup_pipeline.py --json R.json --md R.md [--parts swe
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engram_ray.host_memory import allocate_host_table  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
 from engram_ray.kernels.lookup_policy import split_words  # noqa: E402
-from lookup_limits import (lookup_id_sets, moved_bytes, sequential_ceilings,  # noqa: E402
-                           timed_launch)
+from lookup_limits import (environment, lookup_id_sets, moved_bytes,  # noqa: E402
+                           sequential_ceilings, timed_launch)
 from lookup_timing import GIB, ROW_BYTES, fill_random  # noqa: E402
 
 ROWS = (1048584, 1572864)       # 43691 and 65536 tokens x 24 columns
@@ -68,10 +65,11 @@ def sweep_configs(out: str) -> list[kernel.TileConfig]:
     return configs
 
 
-def time_cases(table, placement: str, cases: list, rows_list, seed: int, budget_s: float,
+def time_cases(table, placement: str, cases, rows_list, seed: int, budget_s: float,
                extra: dict) -> list[dict]:
-    """Every case per size and output, ROUNDS rounds interleaved; each output checked equal to
-    the first case's (the committed launch). A launch that fails is recorded, not fatal."""
+    """Every launch of `cases(out)` per size and output, ROUNDS rounds interleaved; each output
+    checked equal to the first launch's (the committed one). A launch that fails is recorded,
+    not fatal."""
     found = []
     generator = torch.Generator(device="cuda:0").manual_seed(seed)
     for num_rows in rows_list:
@@ -79,7 +77,7 @@ def time_cases(table, placement: str, cases: list, rows_list, seed: int, budget_
         for out in ("packed", "bf16"):
             expected = None
             for rnd in range(ROUNDS):
-                for config in cases(out) if callable(cases) else cases:
+                for config in cases(out):
                     if expected is None:
                         expected = kernel.engram_lookup(ids[0], head_dim=256, table=table,
                                                         out=out, block_rows=config.block_rows)
@@ -142,12 +140,7 @@ def main() -> None:
     parser.add_argument("--md", type=Path)
     args = parser.parse_args()
     torch.cuda.set_device(0)
-    props = torch.cuda.get_device_properties(0)
-    report = {"environment": {
-        "device": props.name, "num_sms": props.multi_processor_count,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("ENGRAM_COMMIT", "unknown"), "torch": torch.__version__,
-        "triton": triton.__version__}}
+    report = {"environment": environment()}
     report["sequential"] = sequential_ceilings(args.budget_s)
     print("sequential", report["sequential"], flush=True)
     rows_list = (SMALL_ROWS if args.small else ()) + ROWS
