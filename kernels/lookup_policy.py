@@ -28,7 +28,10 @@ class TileConfig:
     other row widths ignore it; cut launches take the load hints but not `store_cache`);
     `split_bf16` False keeps bf16 output's loads uncut; `num_stages` >= 2 keeps that many
     tiles of each program in flight through Triton's software pipeline (cp.async copies into
-    shared memory; 0 = plain loads into registers; not with `prefetch`, its register form)."""
+    shared memory; 0 = plain loads into registers; not with `prefetch`, its register form);
+    `wide_loads` reads each 264-byte row as 16-byte vectors from the 16-byte boundary at or
+    8 bytes before it and writes it with 16-byte stores where the output allows (stores
+    through PTX, so `store_cache` does not apply; not with `split_bytes` or `num_stages`)."""
 
     block_rows: int
     programs_per_sm: int
@@ -41,6 +44,7 @@ class TileConfig:
     split_bytes: int = 0
     split_bf16: bool = True
     num_stages: int = 0
+    wide_loads: bool = False
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -54,6 +58,9 @@ class TileConfig:
         if self.num_stages not in PIPELINE_STAGES or (self.num_stages and self.prefetch):
             raise ValueError(f"num_stages is {self.num_stages!r} with prefetch {self.prefetch}; "
                              f"expected one of {PIPELINE_STAGES}, and 0 with prefetch")
+        if self.wide_loads and (self.split_bytes or self.num_stages):
+            raise ValueError(f"wide_loads with split_bytes {self.split_bytes} / num_stages "
+                             f"{self.num_stages}; expected both 0 (rows are read whole)")
         for name, value, allowed in (("load_cache", self.load_cache, LOAD_CACHE),
                                      ("load_evict", self.load_evict, LOAD_EVICT),
                                      ("store_cache", self.store_cache, STORE_CACHE)):
@@ -109,6 +116,11 @@ def split_words(config: TileConfig, head_dim: int, out: str) -> int:
     if head_dim != SPLIT_HEAD_DIM or (out == "bf16" and not config.split_bf16):
         return 0
     return config.split_bytes // 8
+
+
+def wide_loads(config: TileConfig, head_dim: int) -> bool:
+    """The kernel's WIDE for a launch: only 264-byte rows (head_dim 256) take 16-byte loads."""
+    return config.wide_loads and head_dim == SPLIT_HEAD_DIM
 
 
 def large_block_rows(row_bytes: int) -> int:

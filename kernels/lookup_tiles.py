@@ -146,3 +146,141 @@ def store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
                  cache_modifier=STORE_CACHE)
         tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range,
                  cache_modifier=STORE_CACHE)
+
+
+@triton.jit
+def load_tile_wide(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
+                   IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr,
+                   LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr):
+    """Tables of 264-byte rows (33 words) read as 16-byte vectors: each row's words 0..31 (odd
+    rows: -1..30) by 16 loads from the 16-byte boundary at or just before the row (an odd row
+    starts 8 bytes past one; its word -1 shares the row's first sector and is dropped), then
+    its scale word and, for odd rows, word 31 as 8-byte loads. No load leaves the 16-byte
+    chunks the row touches. Returns (output rows, in range, odd [R], pairs [R, 16, 2] = row
+    words 2k - odd + (0, 1), word 31 of odd rows, scale word)."""
+    # Row addressing as in load_tile_split (see its note).
+    pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    in_range = pos < num_rows
+    row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
+    has_row = row >= 0
+    row = tl.where(has_row, row, 0)
+    if IS_PEER:
+        if ROWS_32:
+            owner = (row.to(tl.int32) // rows_per_rank).to(tl.int64)
+        else:
+            owner = row // rows_per_rank
+        address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
+    else:
+        address = (src + row * 264).to(tl.int64)
+    odd = (address // 8) % 2
+    first = tl.multiple_of((address - odd * 8).to(tl.pointer_type(tl.uint64)), 16)
+    # One row's 32 words across 16 threads (a thread's pair = a 16-byte load), then split.
+    pairs = tl.reshape(tl.load(first[:, None] + tl.arange(0, 32)[None, :],
+                               mask=has_row[:, None], other=0, cache_modifier=LOAD_CACHE,
+                               eviction_policy=LOAD_EVICT), [BLOCK_R, 16, 2])
+    words = address.to(tl.pointer_type(tl.uint64))
+    word31 = tl.load(words + 31, mask=has_row & (odd == 1), other=0,
+                     cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    scale = tl.load(words + 32, mask=has_row, other=0, cache_modifier=LOAD_CACHE,
+                    eviction_policy=LOAD_EVICT)
+    dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
+    return dst, in_range, odd, pairs, word31, scale
+
+
+@triton.jit
+def _store_pair(address, low, high, mask_low, mask_high, ASM: tl.constexpr):
+    """Words `low`, `high` (uint64) at `address`, `address` + 8: one 16-byte store where the
+    address is 16-byte aligned and both are written, else 8-byte stores. ASM: through PTX, in
+    the layout the words were loaded in (Triton's own stores would move them between threads
+    first); False: tl.store (Triton's interpreter runs no PTX)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred lo, hi, both, one;
+            .reg .b64 offset;
+            mov.b32 $0, 0;
+            setp.ne.b32 lo, $4, 0;
+            setp.ne.b32 hi, $5, 0;
+            and.b64 offset, $1, 8;
+            setp.eq.and.b64 both, offset, 0, lo;
+            and.pred both, both, hi;
+            @both st.global.v2.b64 [$1], {$2, $3};
+            not.pred one, both;
+            and.pred lo, lo, one;
+            and.pred hi, hi, one;
+            @lo st.global.b64 [$1], $2;
+            @hi st.global.b64 [$1+8], $3;
+            }""", "=r,l,l,l,r,r", [address, low, high, mask_low.to(tl.int32),
+                                 mask_high.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        words = address.to(tl.pointer_type(tl.uint64))
+        tl.store(words, low, mask=mask_low)
+        tl.store(words + 1, high, mask=mask_high)
+
+
+@triton.jit
+def _store_quad(address, q0, q1, q2, q3, mask, ASM: tl.constexpr):
+    """uint32 `q0..q3` at 16-byte aligned `address` as one 16-byte store (see `_store_pair`)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            mov.b32 $0, 0;
+            setp.ne.b32 p, $6, 0;
+            @p st.global.v4.b32 [$1], {$2, $3, $4, $5};
+            }""", "=r,l,r,r,r,r,r", [address, q0, q1, q2, q3, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        quads = address.to(tl.pointer_type(tl.uint32))
+        tl.store(quads, q0, mask=mask)
+        tl.store(quads + 1, q1, mask=mask)
+        tl.store(quads + 2, q2, mask=mask)
+        tl.store(quads + 3, q3, mask=mask)
+
+
+@triton.jit
+def _bf16_bits(word, byte: tl.constexpr, power):
+    """bf16 bits (uint32) of FP8 value `byte` of `word` times `power` (one rounding, RNE)."""
+    value = ((word >> (8 * byte)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    real = (value.to(tl.float32) * power).to(tl.bfloat16)
+    return real.to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _store_word_bf16(out_row, word, index, scale, mask, ASM: tl.constexpr):
+    """bf16 of the 8 FP8 values of row word `index` (group index // 4) at `out_row` + 16 x
+    index bytes: two values per uint32, one 16-byte store per word."""
+    group = tl.maximum(index, 0) // 4  # index -1 (an odd row's word before it) is masked off
+    power = _power_of_two(((scale >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32))
+    q0 = _bf16_bits(word, 0, power) | (_bf16_bits(word, 1, power) << 16)
+    q1 = _bf16_bits(word, 2, power) | (_bf16_bits(word, 3, power) << 16)
+    q2 = _bf16_bits(word, 4, power) | (_bf16_bits(word, 5, power) << 16)
+    q3 = _bf16_bits(word, 6, power) | (_bf16_bits(word, 7, power) << 16)
+    _store_quad(out_row + index * 16, q0, q1, q2, q3, mask, ASM)
+
+
+@triton.jit
+def store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16: tl.constexpr,
+                    ASM: tl.constexpr):
+    """Write what `load_tile_wide` loaded, in the layout it was loaded in: packed (pairs of
+    words as 16-byte stores where the output row's alignment allows, else 8-byte ones) or
+    bf16 (each word's 8 values times its group's scale, one 16-byte store)."""
+    low, high = tl.split(pairs)  # [R, 16]: row words 2k - odd and 2k + 1 - odd
+    first_word = tl.arange(0, 16)[None, :] * 2 - odd[:, None]
+    odd_row = in_range & (odd == 1)
+    if IS_BF16:
+        out_row = (out + dst * 256).to(tl.int64)
+        scales = scale[:, None]
+        _store_word_bf16(out_row[:, None], low, first_word, scales,
+                         in_range[:, None] & (first_word >= 0), ASM)
+        _store_word_bf16(out_row[:, None], high, first_word + 1, scales, in_range[:, None],
+                         ASM)
+        _store_word_bf16(out_row, word31, 31 + 0 * odd, scale, odd_row, ASM)
+    else:
+        out_row = (out + dst * 264).to(tl.int64)
+        _store_pair(out_row[:, None] + first_word * 8, low, high,
+                    in_range[:, None] & (first_word >= 0), in_range[:, None] & (first_word >= -1),
+                    ASM)
+        words = out_row.to(tl.pointer_type(tl.uint64))
+        tl.store(words + 31, word31, mask=odd_row)
+        tl.store(words + 32, scale, mask=in_range)

@@ -24,3 +24,17 @@ def test_pipelined_launches_copy_rows_with_cp_async(split_bytes):
     assert "cp.async" not in plain and re.search(r"ld\.global\.(v2\.)?b(64|32)", plain)
     assert re.search(r"cp\.async\.c[ag]\.shared\.global", piped)
     assert "cp.async.wait_group" in piped
+
+
+@pytest.mark.parametrize("is_bf16", [False, True])
+def test_wide_loads_move_rows_as_16_byte_vectors_in_registers(is_bf16):
+    """TileConfig.wide_loads: 16-byte loads of table rows (8-byte ones without it), 16-byte
+    stores (packed: where the output row is 16-byte aligned; bf16: every word's 8 values), and
+    no shared memory: the words stay in the threads that loaded them."""
+    kernel = compile_variant(16, is_bf16, False, False, wide=True)
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"ld\.global\.v2\.b64", ptx)
+    assert re.search(r"st\.global\.v4\.b32" if is_bf16 else r"st\.global\.v2\.b64", ptx)
+    assert kernel.metadata.shared == 0 and "bar.sync" not in ptx
+    plain = compile_variant(16, is_bf16, False, False).asm["ptx"]
+    assert not re.search(r"ld\.global(\.\w+)*\.v2\.b64|ld\.global(\.\w+)*\.v4", plain)

@@ -90,3 +90,17 @@ def test_pipeline_stages_are_validated_and_exclude_prefetch():
         TileConfig(16, 8, 4, num_stages=1)
     with pytest.raises(ValueError, match=r"num_stages is 2 with prefetch True; .* 0 with prefetch"):
         TileConfig(16, 8, 4, prefetch=True, num_stages=2)
+
+
+def test_wide_loads_read_whole_rows_of_264_bytes_only():
+    """TileConfig.wide_loads: whole rows (not with cut loads or cp.async stages), and only
+    264-byte rows (head_dim 256) take them."""
+    from engram_ray.kernels.lookup_policy import wide_loads
+    wide = TileConfig(16, 8, 4, wide_loads=True)
+    assert wide_loads(wide, 256) and not wide_loads(wide, 128)
+    assert not wide_loads(TileConfig(16, 8, 4), 256)
+    assert split_words(wide, 256, "packed") == 0
+    for bad in ({"split_bytes": 32}, {"num_stages": 2}):
+        with pytest.raises(ValueError, match=r"wide_loads with split_bytes \d+ / num_stages \d+; "
+                                             r"expected both 0"):
+            TileConfig(16, 8, 4, wide_loads=True, **bad)

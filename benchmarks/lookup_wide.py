@@ -1,0 +1,106 @@
+"""16-byte loads of 264-byte rows (`TileConfig.wide_loads`) against the committed launches.
+
+A 264-byte row starts 8-byte aligned, so the committed kernel reads it with 8-byte loads (33
+per row; HBM packed: cut at its first sector). With `wide_loads` each row is read by 16-byte
+loads from the 16-byte boundary at or 8 bytes before it (16 + 1-2 per row) and written from the
+registers it was loaded into (16-byte stores where the output row's alignment allows). Random
+264-byte reads alone were 12% faster as 16-byte loads of 272-byte strides than as 8-byte loads
+(`results/lookup_limits_h200.md`); this measures what that gives whole lookups.
+- `sweep`: a `--gib` HBM table (default 16), 1M and 1.57M rows (262K with `--small`), both
+  outputs: the committed 16- and 128-row launches, then 16-byte-load launches over tile rows x
+  programs per SM x warps x prefetch;
+- `host`: the committed host / THP launches with and without 16-byte loads at 1.57M rows.
+Outputs are checked equal to the committed launch's; rounds interleaved (lookup_pipeline's
+timing). Rates: rows x (264 read + output written) / median, % of the measured device copy.
+Usage: python benchmarks/lookup_wide.py --json R.json --md R.md [--parts sweep host]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engram_ray.host_memory import allocate_host_table  # noqa: E402
+from engram_ray.kernels import lookup as kernel  # noqa: E402
+from lookup_limits import environment, sequential_ceilings  # noqa: E402
+from lookup_pipeline import ROWS, SMALL_ROWS, markdown, time_cases  # noqa: E402
+from lookup_timing import GIB, ROW_BYTES, fill_random  # noqa: E402
+
+# (block_rows, programs per SM, warps) of the 16-byte-load launches, each with and without
+# prefetch: ~64-512 rows per SM in flight, as the committed launches keep ~128.
+WIDE = ([(16, p, w) for p in (4, 8, 12, 16) for w in (2, 4)] + [(32, p, 4) for p in (2, 4, 8)]
+        + [(64, p, 4) for p in (1, 2, 4)] + [(128, p, 8) for p in (1, 2)])
+
+
+def sweep_configs(out: str) -> list[kernel.TileConfig]:
+    configs = [kernel.tile_config("hbm", 16), kernel.tile_config("hbm", 128)]
+    for (rows, per_sm, warps) in WIDE:
+        for prefetch in (False, True):
+            configs.append(kernel.TileConfig(rows, per_sm, warps, prefetch=prefetch,
+                                             wide_loads=True))
+    return configs
+
+
+def host_cases(placement: str):
+    def cases(out: str) -> list[kernel.TileConfig]:
+        committed = [kernel.tile_config(placement, rows) for rows in (16, 128)]
+        return committed + [replace(c, split_bytes=0, wide_loads=True) for c in committed]
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["sweep", "host"],
+                        choices=["sweep", "host"])
+    parser.add_argument("--gib", type=int, default=16, help="HBM table (GiB)")
+    parser.add_argument("--host-gib", type=int, default=4)
+    parser.add_argument("--small", action="store_true", help="also 262K-row lookups")
+    parser.add_argument("--budget-s", type=float, default=0.12)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--md", type=Path)
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    report = {"environment": environment()}
+    report["sequential"] = sequential_ceilings(args.budget_s)
+    print("sequential", report["sequential"], flush=True)
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        if args.md:
+            args.md.write_text(markdown(report, "16-byte loads of Engram rows"))
+
+    if "sweep" in args.parts:
+        print(f"filling a {args.gib} GiB HBM table", flush=True)
+        table = torch.empty(args.gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8,
+                            device="cuda:0")
+        fill_random(table, 0)
+        report["sweep"] = time_cases(table, "hbm", sweep_configs,
+                                     (SMALL_ROWS if args.small else ()) + ROWS, 31,
+                                     args.budget_s, {"table_gib": args.gib})
+        save()
+        del table
+        torch.cuda.empty_cache()
+    if "host" in args.parts:
+        report["host"] = []
+        rows = args.host_gib * GIB // ROW_BYTES
+        for placement in ("host", "host_thp"):
+            memory = allocate_host_table(rows * ROW_BYTES, use_thp=placement == "host_thp")
+            memory.view(-1)[:1 << 24].random_()
+            report["host"] += time_cases(memory.view(rows, ROW_BYTES), placement,
+                                         host_cases(placement), ROWS[-1:], 41, args.budget_s,
+                                         {"table_gib": args.host_gib})
+            del memory
+            save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
