@@ -249,13 +249,56 @@ def _bf16_bits(word, byte: tl.constexpr, power):
 @triton.jit
 def _store_word_bf16(out_row, word, index, scale, mask, ASM: tl.constexpr):
     """bf16 of the 8 FP8 values of row word `index` (group index // 4) at `out_row` + 16 x
-    index bytes: two values per uint32, one 16-byte store per word."""
+    index bytes: two values per uint32, one 16-byte store per word. ASM: converted in PTX by
+    the instructions Triton uses for load_tile's values (e4m3x2 -> f16x2 -> f32, x 2^(e-127)
+    without flushing subnormals, -> bf16x2 RNE), from the uint64 word in place; False: per
+    byte in Triton."""
     group = tl.maximum(index, 0) // 4  # index -1 (an odd row's word before it) is masked off
     power = _power_of_two(((scale >> (group * 8).to(tl.uint64)) & 0xFF).to(tl.int32))
-    q0 = _bf16_bits(word, 0, power) | (_bf16_bits(word, 1, power) << 16)
-    q1 = _bf16_bits(word, 2, power) | (_bf16_bits(word, 3, power) << 16)
-    q2 = _bf16_bits(word, 4, power) | (_bf16_bits(word, 5, power) << 16)
-    q3 = _bf16_bits(word, 6, power) | (_bf16_bits(word, 7, power) << 16)
+    if ASM:
+        q0, q1, q2, q3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi, h<4>;
+            .reg .b16 v<4>, f<8>;
+            .reg .f32 x<8>;
+            mov.b64 {lo, hi}, $4;
+            mov.b32 {v0, v1}, lo;
+            mov.b32 {v2, v3}, hi;
+            cvt.rn.f16x2.e4m3x2 h0, v0;
+            cvt.rn.f16x2.e4m3x2 h1, v1;
+            cvt.rn.f16x2.e4m3x2 h2, v2;
+            cvt.rn.f16x2.e4m3x2 h3, v3;
+            mov.b32 {f0, f1}, h0;
+            mov.b32 {f2, f3}, h1;
+            mov.b32 {f4, f5}, h2;
+            mov.b32 {f6, f7}, h3;
+            cvt.f32.f16 x0, f0;
+            cvt.f32.f16 x1, f1;
+            cvt.f32.f16 x2, f2;
+            cvt.f32.f16 x3, f3;
+            cvt.f32.f16 x4, f4;
+            cvt.f32.f16 x5, f5;
+            cvt.f32.f16 x6, f6;
+            cvt.f32.f16 x7, f7;
+            mul.f32 x0, x0, $5;
+            mul.f32 x1, x1, $5;
+            mul.f32 x2, x2, $5;
+            mul.f32 x3, x3, $5;
+            mul.f32 x4, x4, $5;
+            mul.f32 x5, x5, $5;
+            mul.f32 x6, x6, $5;
+            mul.f32 x7, x7, $5;
+            cvt.rn.bf16x2.f32 $0, x1, x0;
+            cvt.rn.bf16x2.f32 $1, x3, x2;
+            cvt.rn.bf16x2.f32 $2, x5, x4;
+            cvt.rn.bf16x2.f32 $3, x7, x6;
+            }""", "=r,=r,=r,=r,l,f", [word, power],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        q0 = _bf16_bits(word, 0, power) | (_bf16_bits(word, 1, power) << 16)
+        q1 = _bf16_bits(word, 2, power) | (_bf16_bits(word, 3, power) << 16)
+        q2 = _bf16_bits(word, 4, power) | (_bf16_bits(word, 5, power) << 16)
+        q3 = _bf16_bits(word, 6, power) | (_bf16_bits(word, 7, power) << 16)
     _store_quad(out_row + index * 16, q0, q1, q2, q3, mask, ASM)
 
 
