@@ -52,7 +52,7 @@ def label(config: kernel.TileConfig, out: str) -> str:
     if split_words(config, 256, out):
         parts.append(f"cut {config.split_bytes}")
     if config.wide_loads:
-        parts.append("16-B loads")
+        parts.append("16-B loads" + (" shuffled" if config.wide_loads == 2 else ""))
     return " ".join(parts)
 
 

@@ -9,7 +9,8 @@ registers it was loaded into (16-byte stores where the output row's alignment al
 - `sweep`: a `--gib` HBM table (default 16), 1M and 1.57M rows (262K with `--small`), both
   outputs: the committed 16- and 128-row launches, then 16-byte-load launches over tile rows x
   programs per SM x warps x prefetch;
-- `host`: the committed host / THP launches with and without 16-byte loads at 1.57M rows.
+- `host`: the committed host / THP launches with and without 16-byte loads at 1.57M rows;
+- `--ncu`: only one lookup per output and kind of launch, for Nsight Compute (DRAM bytes).
 Outputs are checked equal to the committed launch's; rounds interleaved (lookup_pipeline's
 timing). Rates: rows x (264 read + output written) / median, % of the measured device copy.
 Usage: python benchmarks/lookup_wide.py --json R.json --md R.md [--parts sweep host]
@@ -18,6 +19,7 @@ Usage: python benchmarks/lookup_wide.py --json R.json --md R.md [--parts sweep h
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import replace
@@ -41,26 +43,52 @@ WIDE_SWEEPS = {
     "full": ([(16, p, w) for p in (4, 8, 12, 16) for w in (2, 4)]
              + [(32, p, 4) for p in (2, 4, 8)] + [(64, p, 4) for p in (1, 2, 4)]
              + [(128, p, 8) for p in (1, 2)]),
-    "near": ([(16, p, 4) for p in (8, 10, 12, 14, 16)] + [(16, 12, 2), (16, 10, 8)]
-             + [(32, p, 4) for p in (4, 6)] + [(32, 6, 8)]),
+    "near": [(16, 8, 4), (16, 12, 4), (16, 16, 4), (16, 12, 2), (32, 6, 4), (32, 6, 8)],
 }
+NCU_LAUNCH = (16, 12, 4)  # --ncu: the 16-byte-load launch profiled
 
 
-def sweep_configs(launches):
+def sweep_configs(launches, kinds=(1, 2)):
     def cases(out: str) -> list[kernel.TileConfig]:
         configs = [kernel.tile_config("hbm", 16), kernel.tile_config("hbm", 128)]
-        for (rows, per_sm, warps) in launches:
+        for (rows, per_sm, warps), kind in itertools.product(launches, kinds):
             for prefetch in (False, True):
                 configs.append(kernel.TileConfig(rows, per_sm, warps, prefetch=prefetch,
-                                                 wide_loads=True))
+                                                 wide_loads=kind))
         return configs
     return cases
+
+
+def ncu_launches(gib: int) -> None:
+    """One 1.57M-row lookup per output with the committed launch and each kind of 16-byte
+    loads (NCU_LAUNCH), inside cudaProfilerStart/Stop (compiled before), in that order."""
+    from lookup_timing import launch_config
+    table = torch.empty(gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
+    fill_random(table, 3)
+    generator = torch.Generator(device="cuda:0").manual_seed(1)
+    ids = torch.randint(0, table.shape[0], (ROWS[-1] // 24, 24), generator=generator,
+                        device="cuda:0")
+    configs = [kernel.tile_config("hbm", 16)] + [
+        kernel.TileConfig(*NCU_LAUNCH, wide_loads=kind) for kind in (1, 2)]
+
+    def launches():
+        for out in ("packed", "bf16"):
+            for config in configs:
+                with launch_config("hbm", config):
+                    kernel.engram_lookup(ids, head_dim=256, table=table, out=out)
+    launches()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    launches()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def host_cases(placement: str):
     def cases(out: str) -> list[kernel.TileConfig]:
         committed = [kernel.tile_config(placement, rows) for rows in (16, 128)]
-        return committed + [replace(c, split_bytes=0, wide_loads=True) for c in committed]
+        return committed + [replace(c, split_bytes=0, wide_loads=kind)
+                            for kind in (1, 2) for c in committed]
     return cases
 
 
@@ -72,11 +100,15 @@ def main() -> None:
     parser.add_argument("--host-gib", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="also 262K-row lookups")
     parser.add_argument("--wide-sweep", choices=sorted(WIDE_SWEEPS), default="near")
+    parser.add_argument("--ncu", action="store_true", help="launches for Nsight Compute only")
     parser.add_argument("--budget-s", type=float, default=0.12)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--md", type=Path)
     args = parser.parse_args()
     torch.cuda.set_device(0)
+    if args.ncu:
+        ncu_launches(8)
+        return
     report = {"environment": environment()}
     report["sequential"] = sequential_ceilings(args.budget_s)
     print("sequential", report["sequential"], flush=True)

@@ -66,8 +66,9 @@ def _engram_lookup_kernel(
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
     SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = loads cut at a sector / line
     NUM_STAGES: tl.constexpr = 0,    # > 1: tiles in flight through cp.async (not with PREFETCH)
-    WIDE: tl.constexpr = False,      # 264-byte rows: 16-byte loads from 16-byte boundaries
-    ASM_STORES: tl.constexpr = True,  # WIDE: stores through PTX (False: tl.store; interpreter)
+    WIDE: tl.constexpr = 0,          # 264-byte rows: 16-byte loads from 16-byte boundaries;
+                                     # 2: words moved to whole-sector stores (TileConfig)
+    ASM_STORES: tl.constexpr = True,  # WIDE: PTX stores / shuffles (False: interpreter's)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
@@ -84,7 +85,7 @@ def _engram_lookup_kernel(
                     load_tile_wide(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
                                    BLOCK_R, IS_PEER, IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
                 store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16,
-                                ASM_STORES)
+                                ASM_STORES, WIDE == 2)
                 dst, in_range, odd = next_dst, next_in_range, next_odd
                 pairs, word31, scale = next_pairs, next_word31, next_scale
         else:
@@ -93,7 +94,7 @@ def _engram_lookup_kernel(
                     src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
                     IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
                 store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16,
-                                ASM_STORES)
+                                ASM_STORES, WIDE == 2)
     elif SPLIT_WORDS:
         if PREFETCH:
             dst, in_range, head_words, head, body = load_tile_split(

@@ -303,27 +303,75 @@ def _store_word_bf16(out_row, word, index, scale, mask, ASM: tl.constexpr):
 
 
 @triton.jit
-def store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16: tl.constexpr,
-                    ASM: tl.constexpr):
-    """Write what `load_tile_wide` loaded, in the layout it was loaded in: packed (pairs of
-    words as 16-byte stores where the output row's alignment allows, else 8-byte ones) or
-    bf16 (each word's 8 values times its group's scale, one 16-byte store)."""
-    low, high = tl.split(pairs)  # [R, 16]: row words 2k - odd and 2k + 1 - odd
-    first_word = tl.arange(0, 16)[None, :] * 2 - odd[:, None]
-    odd_row = in_range & (odd == 1)
-    if IS_BF16:
-        out_row = (out + dst * 256).to(tl.int64)
-        scales = scale[:, None]
-        _store_word_bf16(out_row[:, None], low, first_word, scales,
-                         in_range[:, None] & (first_word >= 0), ASM)
-        _store_word_bf16(out_row[:, None], high, first_word + 1, scales, in_range[:, None],
-                         ASM)
-        _store_word_bf16(out_row, word31, 31 + 0 * odd, scale, odd_row, ASM)
+def _shuffle_word(low, high, lane, take_high, ASM: tl.constexpr):
+    """[R, 16] words of other threads of the same row: `high` (take_high) or `low` of row
+    thread `lane` (< 16). ASM: warp shuffles inside each row's 16 threads (load_tile_wide's
+    layout puts a row's 16 pairs on 16 consecutive lanes, pair k on lane k mod 16; a CPU test
+    checks the layout); False: tl.gather (Triton's interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 l0, l1, h0, h1, a0, a1, b0, b1;
+            .reg .pred high;
+            mov.b64 {l0, l1}, $1;
+            mov.b64 {h0, h1}, $2;
+            shfl.sync.idx.b32 a0, l0, $3, 0x101f, 0xffffffff;
+            shfl.sync.idx.b32 a1, l1, $3, 0x101f, 0xffffffff;
+            shfl.sync.idx.b32 b0, h0, $3, 0x101f, 0xffffffff;
+            shfl.sync.idx.b32 b1, h1, $3, 0x101f, 0xffffffff;
+            setp.ne.b32 high, $4, 0;
+            selp.b32 a0, b0, a0, high;
+            selp.b32 a1, b1, a1, high;
+            mov.b64 $0, {a0, a1};
+            }""", "=l,l,l,r,r", [low, high, lane, take_high], dtype=tl.uint64, is_pure=True,
+            pack=1)
     else:
-        out_row = (out + dst * 264).to(tl.int64)
-        _store_pair(out_row[:, None] + first_word * 8, low, high,
-                    in_range[:, None] & (first_word >= 0), in_range[:, None] & (first_word >= -1),
-                    ASM)
-        words = out_row.to(tl.pointer_type(tl.uint64))
-        tl.store(words + 31, word31, mask=odd_row)
-        tl.store(words + 32, scale, mask=in_range)
+        lane = tl.minimum(lane, 15).to(tl.int64)
+        return tl.where(take_high != 0, tl.gather(high, lane, 1), tl.gather(low, lane, 1))
+
+
+@triton.jit
+def store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16: tl.constexpr,
+                    ASM: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Write what `load_tile_wide` loaded, in the layout it was loaded in. SHUFFLE: each
+    row's thread k first takes row words k and 16 + k from the others, so every store
+    instruction writes whole sectors (packed: 8-byte stores of 128 contiguous bytes per row;
+    bf16: 16-byte stores of 256); else pairs of words are written where they were loaded
+    (packed: 16-byte stores where the output row's alignment allows, else 8-byte ones;
+    bf16: 16-byte stores, every other 16 bytes per instruction)."""
+    low, high = tl.split(pairs)  # [R, 16]: row words 2k - odd and 2k + 1 - odd
+    if SHUFFLE:
+        k = tl.arange(0, 16)[None, :]
+        pick = k + odd[:, None].to(tl.int32)
+        lane, take_high = pick // 2, pick % 2
+        first = _shuffle_word(low, high, lane, take_high, ASM)
+        second = tl.where((k == 15) & (odd[:, None] == 1), word31[:, None],
+                          _shuffle_word(low, high, lane + 8, take_high, ASM))
+        if IS_BF16:
+            out_row = (out + dst * 256).to(tl.int64)[:, None]
+            _store_word_bf16(out_row, first, k, scale[:, None], in_range[:, None], ASM)
+            _store_word_bf16(out_row, second, k + 16, scale[:, None], in_range[:, None], ASM)
+        else:
+            words = (out + dst * 264).to(tl.pointer_type(tl.uint64))
+            tl.store(words[:, None] + k, first, mask=in_range[:, None])
+            tl.store(words[:, None] + 16 + k, second, mask=in_range[:, None])
+            tl.store(words + 32, scale, mask=in_range)
+    else:
+        first_word = tl.arange(0, 16)[None, :] * 2 - odd[:, None]
+        odd_row = in_range & (odd == 1)
+        if IS_BF16:
+            out_row = (out + dst * 256).to(tl.int64)
+            scales = scale[:, None]
+            _store_word_bf16(out_row[:, None], low, first_word, scales,
+                             in_range[:, None] & (first_word >= 0), ASM)
+            _store_word_bf16(out_row[:, None], high, first_word + 1, scales, in_range[:, None],
+                             ASM)
+            _store_word_bf16(out_row, word31, 31 + 0 * odd, scale, odd_row, ASM)
+        else:
+            out_row = (out + dst * 264).to(tl.int64)
+            _store_pair(out_row[:, None] + first_word * 8, low, high,
+                        in_range[:, None] & (first_word >= 0),
+                        in_range[:, None] & (first_word >= -1), ASM)
+            words = out_row.to(tl.pointer_type(tl.uint64))
+            tl.store(words + 31, word31, mask=odd_row)
+            tl.store(words + 32, scale, mask=in_range)
