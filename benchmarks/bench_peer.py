@@ -147,10 +147,7 @@ HINT_SWEEP = [{}, {"split_bytes": 0, "prefetch": True}, {"split_bytes": 32},
               {"prefetch": True}, {"programs_per_sm": 8}, {"programs_per_sm": 24},
               {"load_cache": ".cg"}, {"load_evict": "evict_first"}, {"store_cache": ".cs"},
               {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 4},
-              {"num_stages": 3, "programs_per_sm": 8},
-              {"split_bytes": 0, "wide_loads": 1}, {"split_bytes": 0, "wide_loads": 2},
-              {"split_bytes": 0, "wide_loads": 2, "prefetch": True},
-              {"split_bytes": 0, "wide_loads": 2, "programs_per_sm": 8}]
+              {"num_stages": 3, "programs_per_sm": 8}]
 
 
 def lookup_with(config, ids, layout, bases, per_rank):

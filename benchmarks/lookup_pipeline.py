@@ -51,8 +51,6 @@ def label(config: kernel.TileConfig, out: str) -> str:
         parts.append("prefetch")
     if split_words(config, 256, out):
         parts.append(f"cut {config.split_bytes}")
-    if config.wide_loads:
-        parts.append("16-B loads" + (" shuffled" if config.wide_loads == 2 else ""))
     return " ".join(parts)
 
 
@@ -188,9 +186,9 @@ def main() -> None:
     save()
 
 
-def markdown(report: dict, title: str = "Pipelined Engram lookups") -> str:
+def markdown(report: dict) -> str:
     env, copy = report["environment"], report["sequential"]["copy_GBps"]
-    lines = [f"# {title} ({env['device']})", "",
+    lines = [f"# Pipelined Engram lookups ({env['device']})", "",
              f"date {env['date']}, commit `{env['commit']}`, torch {env['torch']}, triton "
              f"{env['triton']}; device events, L2 flushed before each launch; best of "
              f"{ROUNDS} interleaved rounds (median of each); device copy {copy:.0f} GB/s. "

@@ -30,11 +30,11 @@ import triton
 import triton.language as tl
 
 from engram_ray.host_memory import is_huge_page_backed
-from engram_ray.kernels.lookup_tiles import (load_tile, load_tile_split, load_tile_wide,
-                                             store_tile, store_tile_split, store_tile_wide)
+from engram_ray.kernels.lookup_tiles import (load_tile, load_tile_split, store_tile,
+                                             store_tile_split)
 from engram_ray.kernels.lookup_policy import (  # noqa: F401  (re-exported: the policy API)
     MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, SPLIT_HEAD_DIM, TILE_CONFIGS, TILE_POLICY,
-    TileConfig, choose_block_rows, large_block_rows, split_words, tile_config, wide_loads)
+    TileConfig, choose_block_rows, large_block_rows, split_words, tile_config)
 from engram_ray.reference import row_bytes_for
 
 OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
@@ -66,36 +66,12 @@ def _engram_lookup_kernel(
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
     SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = loads cut at a sector / line
     NUM_STAGES: tl.constexpr = 0,    # > 1: tiles in flight through cp.async (not with PREFETCH)
-    WIDE: tl.constexpr = 0,          # 264-byte rows: 16-byte loads from 16-byte boundaries;
-                                     # 2: words moved to whole-sector stores (TileConfig)
-    ASM_STORES: tl.constexpr = True,  # WIDE: PTX stores / shuffles (False: interpreter's)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
-    if WIDE:
-        if PREFETCH:
-            dst, in_range, odd, pairs, word31, scale = load_tile_wide(
-                src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
-                IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
-            for _ in tl.range(tile, num_tiles, num_programs):
-                tile += num_programs  # past the end: every load of the tile is masked off
-                next_dst, next_in_range, next_odd, next_pairs, next_word31, next_scale = \
-                    load_tile_wide(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
-                                   BLOCK_R, IS_PEER, IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
-                store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16,
-                                ASM_STORES, WIDE == 2)
-                dst, in_range, odd = next_dst, next_in_range, next_odd
-                pairs, word31, scale = next_pairs, next_word31, next_scale
-        else:
-            for tile in tl.range(tile, num_tiles, num_programs, num_stages=NUM_STAGES or None):
-                dst, in_range, odd, pairs, word31, scale = load_tile_wide(
-                    src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
-                    IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32)
-                store_tile_wide(out, dst, in_range, odd, pairs, word31, scale, IS_BF16,
-                                ASM_STORES, WIDE == 2)
-    elif SPLIT_WORDS:
+    if SPLIT_WORDS:
         if PREFETCH:
             dst, in_range, head_words, head, body = load_tile_split(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
@@ -296,8 +272,7 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
                   STORE_CACHE=config.store_cache, num_warps=config.num_warps,
                   ROWS_32=peer_bases is not None and config.rows_32
                   and (rows_per_rank or 1) * peer_bases.numel() < 2**31,
-                  SPLIT_WORDS=split_words(config, head_dim, out), NUM_STAGES=config.num_stages,
-                  WIDE=wide_loads(config, head_dim))
+                  SPLIT_WORDS=split_words(config, head_dim, out), NUM_STAGES=config.num_stages)
     with torch.cuda.device(device):
         try:
             _engram_lookup_kernel[(num_programs,)](

@@ -14,7 +14,6 @@ STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")
 SPLIT_BYTES = (0, 32, 128)  # where row loads are cut: nowhere, a sector, a line
 SPLIT_HEAD_DIM = 256  # rows cut: 264 bytes = 33 eight-byte words
 PIPELINE_STAGES = (0, 2, 3, 4, 5, 6, 8)  # TileConfig.num_stages: 0 = no software pipeline
-WIDE_LOADS = (0, 1, 2)  # TileConfig.wide_loads: off, pairs stored as loaded, whole-sector stores
 
 
 @dataclass(frozen=True)
@@ -29,12 +28,7 @@ class TileConfig:
     other row widths ignore it; cut launches take the load hints but not `store_cache`);
     `split_bf16` False keeps bf16 output's loads uncut; `num_stages` >= 2 keeps that many
     tiles of each program in flight through Triton's software pipeline (cp.async copies into
-    shared memory; 0 = plain loads into registers; not with `prefetch`, its register form);
-    `wide_loads` 1 / 2 reads each 264-byte row as 16-byte vectors from the 16-byte boundary at
-    or 8 bytes before it and writes it from the threads that loaded it: 1 = each pair of words
-    where it was loaded (16-byte stores where the output row's alignment allows), 2 = words
-    first moved between the row's threads (warp shuffles) so each store writes whole sectors
-    (PTX stores: `store_cache` does not apply; not with `split_bytes` or `num_stages`)."""
+    shared memory; 0 = plain loads into registers; not with `prefetch`, its register form)."""
 
     block_rows: int
     programs_per_sm: int
@@ -47,7 +41,6 @@ class TileConfig:
     split_bytes: int = 0
     split_bf16: bool = True
     num_stages: int = 0
-    wide_loads: int = 0
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -61,11 +54,6 @@ class TileConfig:
         if self.num_stages not in PIPELINE_STAGES or (self.num_stages and self.prefetch):
             raise ValueError(f"num_stages is {self.num_stages!r} with prefetch {self.prefetch}; "
                              f"expected one of {PIPELINE_STAGES}, and 0 with prefetch")
-        if self.wide_loads not in WIDE_LOADS:
-            raise ValueError(f"wide_loads is {self.wide_loads!r}; expected one of {WIDE_LOADS}")
-        if self.wide_loads and (self.split_bytes or self.num_stages):
-            raise ValueError(f"wide_loads with split_bytes {self.split_bytes} / num_stages "
-                             f"{self.num_stages}; expected both 0 (rows are read whole)")
         for name, value, allowed in (("load_cache", self.load_cache, LOAD_CACHE),
                                      ("load_evict", self.load_evict, LOAD_EVICT),
                                      ("store_cache", self.store_cache, STORE_CACHE)):
@@ -121,11 +109,6 @@ def split_words(config: TileConfig, head_dim: int, out: str) -> int:
     if head_dim != SPLIT_HEAD_DIM or (out == "bf16" and not config.split_bf16):
         return 0
     return config.split_bytes // 8
-
-
-def wide_loads(config: TileConfig, head_dim: int) -> int:
-    """The kernel's WIDE for a launch: only 264-byte rows (head_dim 256) take 16-byte loads."""
-    return config.wide_loads if head_dim == SPLIT_HEAD_DIM else 0
 
 
 def large_block_rows(row_bytes: int) -> int:

@@ -15,7 +15,7 @@ from engram_ray.reference import lookup_reference, random_table
 
 
 def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
-        block_rows=16, rows_32=False, split_bytes=0, wide=0):
+        block_rows=16, rows_32=False, split_bytes=0):
     """The kernel's launch (as `engram_lookup` makes it) on CPU tensors; outputs poisoned."""
     row_bytes = head_dim + head_dim // 32
     flat = ids.reshape(-1)
@@ -31,7 +31,7 @@ def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
         SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
         IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
         PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), ROWS_32=rows_32,
-        SPLIT_WORDS=split_bytes // 8, WIDE=wide, ASM_STORES=False)
+        SPLIT_WORDS=split_bytes // 8)
     return result.view(*ids.shape, -1)
 
 
@@ -81,18 +81,15 @@ def check(head_dim: int, seed: int) -> int:
 
 
 def check_split_loads(table, head_dim: int) -> int | None:
-    """Loads cut at a 32-byte sector or a 128-byte line boundary (`split_bytes`) and 16-byte
-    loads from 16-byte boundaries ("wide1", "wide2": `TileConfig.wide_loads`, stores and
-    shuffles through tl.store and tl.gather),
-    from a table and from peer slices starting 0, 8, 16 and 24 bytes past a sector boundary
-    (rows take every cut point and 16-byte alignment either way, since row r starts 8r bytes
-    further mod 128); tiles, prefetch."""
+    """Loads cut at a 32-byte sector or a 128-byte line boundary (`split_bytes`), from a table
+    and from peer slices starting 0, 8, 16 and 24 bytes past a sector boundary (rows take every
+    cut point either way, since row r starts 8r bytes further mod 128); tiles, prefetch."""
     rows, row_bytes = table.shape
     half = (rows + 1) // 2
     checked = 0
     for split_bytes, shift, out, prefetch, sort, block_rows, peer in itertools.product(
-            [32, 128, "wide1", "wide2"], [0, 8, 16, 24], ["packed", "bf16"], [False, True],
-            [False, True], [16, 32], [False, True]):
+            [32, 128], [0, 8, 16, 24], ["packed", "bf16"], [False, True], [False, True],
+            [16, 32], [False, True]):
         count = 2 if peer else 1
         size = half if peer else rows
         buffers = [torch.zeros(size * row_bytes + 64, dtype=torch.uint8) for _ in range(count)]
@@ -111,9 +108,7 @@ def check_split_loads(table, head_dim: int) -> int | None:
         ids.view(-1)[0], ids.view(-1)[-1] = rows - 1, 0
         got = run(src, ids, head_dim, out, peer_rows=half if peer else None, sort=sort,
                   prefetch=prefetch, block_rows=block_rows, rows_32=peer,
-                  split_bytes=0 if str(split_bytes).startswith("wide") else split_bytes,
-                  wide=int(str(split_bytes)[4:] or 0) if str(split_bytes).startswith("wide")
-                  else 0)
+                  split_bytes=split_bytes)
         if not torch.equal(got.view(torch.uint8),
                            lookup_reference(table, ids, head_dim, out).view(torch.uint8)):
             print(f"MISMATCH split_bytes={split_bytes} shift={shift} out={out} peer={peer} "

@@ -90,19 +90,3 @@ def test_pipeline_stages_are_validated_and_exclude_prefetch():
         TileConfig(16, 8, 4, num_stages=1)
     with pytest.raises(ValueError, match=r"num_stages is 2 with prefetch True; .* 0 with prefetch"):
         TileConfig(16, 8, 4, prefetch=True, num_stages=2)
-
-
-def test_wide_loads_read_whole_rows_of_264_bytes_only():
-    """TileConfig.wide_loads: 0, 1 or 2, whole rows (not with cut loads or cp.async stages),
-    and only 264-byte rows (head_dim 256) take them."""
-    from engram_ray.kernels.lookup_policy import wide_loads
-    wide = TileConfig(16, 8, 4, wide_loads=2)
-    assert wide_loads(wide, 256) == 2 and wide_loads(wide, 128) == 0
-    assert wide_loads(TileConfig(16, 8, 4), 256) == 0
-    with pytest.raises(ValueError, match=r"wide_loads is 3; expected one of \(0, 1, 2\)"):
-        TileConfig(16, 8, 4, wide_loads=3)
-    assert split_words(wide, 256, "packed") == 0
-    for bad in ({"split_bytes": 32}, {"num_stages": 2}):
-        with pytest.raises(ValueError, match=r"wide_loads with split_bytes \d+ / num_stages \d+; "
-                                             r"expected both 0"):
-            TileConfig(16, 8, 4, wide_loads=1, **bad)

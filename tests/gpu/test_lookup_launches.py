@@ -1,7 +1,6 @@
 """Launch options of the lookup kernel against the torch reference, bit for bit: peer owner
 division in 64 bits, row loads cut at a sector or a line (every cut point, one and two GPUs,
-HBM and host tables), cp.async pipelines (TileConfig.num_stages), 16-byte loads
-(TileConfig.wide_loads) and checked ids."""
+HBM and host tables), cp.async pipelines (TileConfig.num_stages), and checked ids."""
 
 import pytest
 import torch
@@ -161,63 +160,3 @@ def test_pipelined_loads(hbm_table, host_table, thp_table, num_stages, split_byt
                           block_rows=block_rows, **source)
             torch.cuda.synchronize()
             assert_bitwise(got, lookup_reference(hbm_table[first:], ids, HEAD_DIM, out=out))
-
-
-@pytest.mark.parametrize("wide", [1, 2])
-@pytest.mark.parametrize("placement", ["hbm", "host", "host_thp", "peer"])
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("tile", TILES[:4], ids=tile_id)
-@pytest.mark.parametrize("sort_rows", [False, True])
-def test_wide_loads(hbm_table, host_table, thp_table, wide, placement, out, tile, sort_rows,
-                    monkeypatch):
-    """TileConfig.wide_loads (16-byte loads from the 16-byte boundary at or just before each
-    row; 1: pairs of words stored where loaded, 2: words moved between a row's threads by warp
-    shuffles first; stores and bf16 conversion through PTX) from HBM, host
-    and THP tables, the whole table and a view from row 1 (every row's 16-byte alignment
-    flipped), and peer slices on one GPU starting 0 and 8 bytes past a 16-byte boundary;
-    output rows of both alignments (ids in order and sorted: scattered output rows)."""
-    from dataclasses import replace
-
-    from engram_ray.kernels import lookup as kernel
-    monkeypatch.setitem(kernel.TILE_CONFIGS, placement, {
-        rows: replace(config, split_bytes=0, num_stages=0, wide_loads=wide)
-        for rows, config in kernel.TILE_CONFIGS[placement].items()})
-    table = {"hbm": hbm_table, "host": host_table, "host_thp": thp_table,
-             "peer": hbm_table}[placement]
-    for first in (0, 1):
-        source, reference = {"table": table[first:]}, hbm_table[first:]
-        if placement == "peer":
-            buffer = torch.empty(hbm_table.numel() + 64, dtype=torch.uint8, device="cuda:0")
-            start = (-buffer.data_ptr()) % 16 + 8 * first
-            moved = buffer[start:start + hbm_table.numel()].view(-1, ROW_BYTES)
-            moved.copy_(hbm_table)
-            bases = [piece.data_ptr() for piece in moved.split(ROWS_PER_RANK)]
-            assert {base % 16 for base in bases} == {8 * first}
-            source = {"peer_bases": torch.tensor(bases, device="cuda:0"),
-                      "rows_per_rank": ROWS_PER_RANK}
-            reference = hbm_table
-        for shape in ((1, 17), (43, 3), (43691, 24)):
-            seed = hash(("wide", wide, placement, out, tile, sort_rows, shape, first)) % 2**31
-            ids = random_ids(shape, seed).clamp(max=reference.shape[0] - 1)
-            got = lookup(row_ids=ids, out=out, into=poisoned(shape, out), block_rows=tile[0],
-                         prefetch=tile[1], sort_rows=sort_rows, **source)
-            torch.cuda.synchronize()
-            assert_bitwise(got, lookup_reference(reference, ids, HEAD_DIM, out=out))
-
-
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("wide", [1, 2])
-@pytest.mark.parametrize("out", OUTS)
-def test_peer_slices_two_gpus_with_wide_loads(hbm_table, two_gpu_slices, wide, out,
-                                              monkeypatch):
-    from dataclasses import replace
-
-    from engram_ray.kernels import lookup as kernel
-    monkeypatch.setitem(kernel.TILE_CONFIGS, "peer", {
-        rows: replace(config, split_bytes=0, wide_loads=wide)
-        for rows, config in kernel.TILE_CONFIGS["peer"].items()})
-    bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device="cuda:0")
-    ids = random_ids((43691, 24), hash(("wide2", wide, out)) % 2**31)
-    got = lookup(row_ids=ids, out=out, into=poisoned((43691, 24), out), peer_bases=bases,
-                 rows_per_rank=ROWS_PER_RANK, block_rows=16)
-    assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
