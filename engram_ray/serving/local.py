@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from engram_ray.errors import EngramRayError
+from engram_ray.serving.engine_shm import processes_using, release_recorded
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
 STARTUP_TIMEOUT_S = 900
@@ -65,7 +66,8 @@ class LocalDeployment:
 
     # --- life cycle ----------------------------------------------------------------------
     def clean_stale(self, refuse_live: bool = True) -> None:
-        """Remove what an interrupted run may have left: store folders, shm slices, targets.
+        """Remove what an interrupted run may have left: store folders, shm slices, targets,
+        and vLLM's ring buffers that replicas recorded (`engine_shm`; those still in use stay).
 
         Before a start (`refuse_live`), shared-memory slices of this deployment's name that a
         live process still maps or holds open belong to a running deployment, not an
@@ -88,6 +90,7 @@ class LocalDeployment:
         targets = self.config.serving.prometheus_targets_file
         if os.path.exists(targets):
             os.unlink(targets)
+        release_recorded(wait_s=0.0 if refuse_live else 15.0)
 
     def make_model(self) -> None:
         from engram_ray.models.tiny_checkpoint import write_tiny_model
@@ -211,32 +214,6 @@ class LocalDeployment:
             ray.shutdown()
             self._ray_started = False
             self.clean_stale(refuse_live=False)
-
-
-def processes_using(paths: list[str]) -> set[int]:
-    """Ids of live processes other than this one that map or hold open any of `paths`
-    (/proc/<pid>/maps and /proc/<pid>/fd; processes this user may not inspect are skipped)."""
-    wanted = {os.path.realpath(path) for path in paths}
-    users: set[int] = set()
-    if not wanted:
-        return users
-    for proc in glob.glob("/proc/[0-9]*"):
-        pid = int(os.path.basename(proc))
-        if pid == os.getpid():
-            continue
-        try:
-            with open(os.path.join(proc, "maps")) as maps:
-                if any(line.split(None, 5)[-1].rstrip("\n").removesuffix(" (deleted)") in wanted
-                       for line in maps if line.count(" ") >= 5):
-                    users.add(pid)
-                    continue
-            for fd in os.listdir(os.path.join(proc, "fd")):
-                if os.readlink(os.path.join(proc, "fd", fd)) in wanted:
-                    users.add(pid)
-                    break
-        except OSError:  # gone, or not ours to inspect
-            continue
-    return users
 
 
 def load_serve_config_from(doc: dict):

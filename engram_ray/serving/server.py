@@ -22,6 +22,7 @@ from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPS
 
 from engram_ray.errors import EngramRayError
 from engram_ray.metrics import EngineIdentity, EngineMetrics
+from engram_ray.serving.engine_shm import record_segments, release_recorded
 from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
 from engram_ray.serving.kv_cache import engine_capacity, probe_engine_kwargs
 
@@ -102,6 +103,7 @@ class EngramServerMixin:
                                           rendezvous_seconds=time.perf_counter() - joined_at)
             await self._attach_stat_logger()
             await self._register_model_process_target()
+            record_segments(self._replica_id)
             await self._registry.ready.remote(self._replica_id)
         except BaseException as exc:
             await self._leave(f"replica failed to start: {type(exc).__name__}: {exc}")
@@ -193,7 +195,21 @@ class EngramServerMixin:
     async def __del__(self):
         if getattr(self, "_registry", None) is not None:
             await self._leave("replica stopped")
-        await super().__del__()
+        try:
+            await super().__del__()
+        finally:
+            _shut_down_vllm(self)
+
+
+def _shut_down_vllm(server) -> None:
+    """Stop the replica's vLLM engine (AsyncLLM: its engine-core process and executor), as
+    Ray Serve LLM's own shutdown does not, then release the shared-memory ring buffers the
+    engine mapped (`engine_shm`): killed with the replica, they would stay behind."""
+    client = getattr(getattr(server, "engine", None), "_engine_client", None)
+    if client is not None and hasattr(client, "shutdown"):
+        client.shutdown()
+    if getattr(server, "_replica_id", None) is not None:
+        release_recorded(server._replica_id)
 
 
 class EngramLLMServer(EngramServerMixin, LLMServer):

@@ -39,6 +39,7 @@ class Local:
         self.workdir, self.port = workdir, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = workdir / "out.txt", workdir / "err.txt"
+        self.segments_before = set(Path("/dev/shm").glob("psm_*"))  # vLLM's ring buffers
         self.proc = subprocess.Popen(
             ["engram-ray", "local", "--workdir", str(workdir), "--port", str(self.port),
              "--summary-every", "3600"],
@@ -233,6 +234,10 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     assert local.proc.wait(120) == 130
     assert "stopping: Serve, Ray" in local.err.read_text()
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
+    # vLLM's ring buffers of every engine, the one killed above included (engram_ray.serving.
+    # engine_shm); and the record of each replica's segments
+    assert not set(Path("/dev/shm").glob("psm_*")) - local.segments_before
+    assert not list(Path(tempfile.gettempdir(), "engram-ray", "engine-shm").glob("*.json"))
     assert not (local.workdir / "store" / "local").exists()
     assert not local.targets_file.exists()
     # Model processes hand their metrics address over in a file each replica removes once read.

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from engram_ray.errors import EngramRayError
-from engram_ray.serving.local import LocalDeployment, LocalOptions, processes_using
+from engram_ray.serving.engine_shm import processes_using
+from engram_ray.serving.local import LocalDeployment, LocalOptions
 
 
 @pytest.fixture

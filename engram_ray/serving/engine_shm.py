@@ -1,0 +1,126 @@
+"""Shared memory of a replica's vLLM engine: the ring buffers (/dev/shm/psm_*, up to hundreds of
+MiB each) that vLLM's executor and workers create. Ray Serve LLM does not shut the engine down
+with its replica, and a killed engine cannot, so these files outlive the run. A replica records
+the segments its engine maps once it runs (`record_segments`) and releases them when it stops;
+the local deployment releases every recorded segment when it starts and stops
+(`release_recorded`). A segment that a live process still maps or holds open is never removed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+RECORDS = Path(tempfile.gettempdir(), "engram-ray", "engine-shm")
+SEGMENT_PREFIX = "/dev/shm/psm_"  # Python's multiprocessing.shared_memory names
+
+
+def _mapped_path(line: str) -> str:
+    """The file of one /proc/<pid>/maps line ('' for anonymous mappings)."""
+    if line.count(" ") < 5:
+        return ""
+    return line.split(None, 5)[-1].rstrip("\n").removesuffix(" (deleted)")
+
+
+def processes_using(paths: list[str]) -> set[int]:
+    """Ids of live processes other than this one that map or hold open any of `paths`
+    (/proc/<pid>/maps and /proc/<pid>/fd; processes this user may not inspect are skipped)."""
+    wanted = {os.path.realpath(path) for path in paths}
+    users: set[int] = set()
+    if not wanted:
+        return users
+    for proc in glob.glob("/proc/[0-9]*"):
+        pid = int(os.path.basename(proc))
+        if pid == os.getpid():
+            continue
+        try:
+            with open(os.path.join(proc, "maps")) as maps:
+                if any(_mapped_path(line) in wanted for line in maps):
+                    users.add(pid)
+                    continue
+            for fd in os.listdir(os.path.join(proc, "fd")):
+                if os.readlink(os.path.join(proc, "fd", fd)) in wanted:
+                    users.add(pid)
+                    break
+        except OSError:  # gone, or not ours to inspect
+            continue
+    return users
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every live process below it (parent links from /proc/<pid>/stat)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def mapped_segments(pid: int | None = None) -> list[str]:
+    """/dev/shm/psm_* files mapped by process `pid` (default: this one) or its descendants."""
+    found: set[str] = set()
+    for proc in descendants(pid or os.getpid()):
+        try:
+            with open(f"/proc/{proc}/maps") as maps:
+                found.update(p for p in map(_mapped_path, maps) if p.startswith(SEGMENT_PREFIX))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def record_segments(owner: str, pid: int | None = None) -> Path:
+    """Write the segments `pid`'s process tree maps now to RECORDS/<owner>.json."""
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    record = RECORDS / f"{owner}.json"
+    record.write_text(json.dumps(mapped_segments(pid)))
+    return record
+
+
+def release_segments(paths: list[str]) -> list[str]:
+    """Unlink those of `paths` that exist and no other live process uses; returns the ones
+    kept (still in use)."""
+    kept = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        if processes_using([path]):
+            kept.append(path)
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return kept
+
+
+def release_recorded(owner: str | None = None, wait_s: float = 0.0) -> list[str]:
+    """Release the segments of every record (or `owner`'s); a record goes once none of its
+    segments is in use. Segments still in use are retried for up to `wait_s` (engine
+    processes exiting after a stop). Returns the segments kept."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        kept = []
+        for record in RECORDS.glob(f"{owner}.json" if owner else "*.json"):
+            try:
+                segments = json.loads(record.read_text())
+            except (OSError, ValueError):  # half-written by a replica killed while writing
+                segments = []
+            still = release_segments(segments)
+            kept += still
+            if not still:
+                record.unlink(missing_ok=True)
+        if not kept or time.monotonic() >= deadline:
+            return kept
+        time.sleep(0.5)
