@@ -1,5 +1,5 @@
 """Shared memory of a replica's vLLM engine: the ring buffers (/dev/shm/psm_*, up to hundreds of
-MiB each) and named semaphores (/dev/shm/sem.mp-*) that vLLM's executor and workers create. Ray Serve LLM does not shut the engine down
+MiB each) that vLLM's executor and workers create. Ray Serve LLM does not shut the engine down
 with its replica, and a killed engine cannot, so these files outlive the run. A replica records
 the segments its engine maps once it runs (`record_segments`) and releases them when it stops;
 the local deployment releases every recorded segment when it starts and stops
@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 RECORDS = Path(tempfile.gettempdir(), "engram-ray", "engine-shm")
-# Python's multiprocessing.shared_memory segments and multiprocessing locks' semaphores
-SEGMENT_PREFIXES = ("/dev/shm/psm_", "/dev/shm/sem.mp-")
+SEGMENT_PREFIX = "/dev/shm/psm_"  # Python's multiprocessing.shared_memory names
 
 
 def _mapped_path(line: str) -> str:
@@ -70,13 +69,12 @@ def descendants(pid: int) -> list[int]:
 
 
 def mapped_segments(pid: int | None = None) -> list[str]:
-    """/dev/shm/psm_* and sem.mp-* files mapped by process `pid` (default: this one) or its
-    descendants."""
+    """/dev/shm/psm_* files mapped by process `pid` (default: this one) or its descendants."""
     found: set[str] = set()
     for proc in descendants(pid or os.getpid()):
         try:
             with open(f"/proc/{proc}/maps") as maps:
-                found.update(p for p in map(_mapped_path, maps) if p.startswith(SEGMENT_PREFIXES))
+                found.update(p for p in map(_mapped_path, maps) if p.startswith(SEGMENT_PREFIX))
         except OSError:
             continue
     return sorted(found)

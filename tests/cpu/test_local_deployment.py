@@ -34,16 +34,12 @@ MODEL = "engram-tiny"
 STARTUP_S = 900
 
 
-def engine_segments() -> set[Path]:
-    return {*Path("/dev/shm").glob("psm_*"), *Path("/dev/shm").glob("sem.mp-*")}
-
-
 class Local:
     def __init__(self, workdir: Path):
         self.workdir, self.port = workdir, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = workdir / "out.txt", workdir / "err.txt"
-        self.segments_before = engine_segments()
+        self.segments_before = set(Path("/dev/shm").glob("psm_*"))  # vLLM's ring buffers
         self.proc = subprocess.Popen(
             ["engram-ray", "local", "--workdir", str(workdir), "--port", str(self.port),
              "--summary-every", "3600"],
@@ -238,9 +234,9 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     assert local.proc.wait(120) == 130
     assert "stopping: Serve, Ray" in local.err.read_text()
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
-    # vLLM's ring buffers and semaphores of every engine, the one killed above included
-    # (engram_ray.serving.engine_shm); and the record of each replica's segments
-    assert not engine_segments() - local.segments_before
+    # vLLM's ring buffers of every engine, the one killed above included (engram_ray.serving.
+    # engine_shm); and the record of each replica's segments
+    assert not set(Path("/dev/shm").glob("psm_*")) - local.segments_before
     assert not list(Path(tempfile.gettempdir(), "engram-ray", "engine-shm").glob("*.json"))
     assert not (local.workdir / "store" / "local").exists()
     assert not local.targets_file.exists()
