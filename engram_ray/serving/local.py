@@ -208,12 +208,15 @@ class LocalDeployment:
         from ray import serve
 
         log("stopping: Serve, Ray, store folders and shared memory")
+        started = time.monotonic()
         try:
             serve.shutdown()
+            log(f"Serve stopped after {time.monotonic() - started:.0f} s")
         finally:
             ray.shutdown()
             self._ray_started = False
             self.clean_stale(refuse_live=False)
+            log(f"stopped after {time.monotonic() - started:.0f} s")
 
 
 def load_serve_config_from(doc: dict):
