@@ -2,11 +2,13 @@
 
 Sets up the tiny model, starts Ray on 127.0.0.1, deploys cluster_configs/serve_local_tiny.yaml,
 sends a completion through the OpenAI client, prints the memory plan, the endpoint and live
-metrics, then serves until Ctrl-C (`--once`: stop after the check).
+metrics, then serves until Ctrl-C or SIGTERM (`--once`: stop after the check); either way it
+stops Serve and Ray and removes what it made.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 HELP = "run the local deployment (tiny model, 2 CPU engines in one peer group) on 127.0.0.1"
@@ -48,6 +50,7 @@ def run(args) -> int:
     from engram_ray.serving.local import LocalDeployment, LocalOptions, log
     from engram_ray.serving.summary import format_summary
 
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, systemd, docker stop: stop cleanly too
     deployment = LocalDeployment(LocalOptions(workdir=args.workdir, port=args.port))
     try:
         deployment.start()
@@ -71,9 +74,19 @@ def run(args) -> int:
                   "dashboards/*.json work there)", flush=True)
         if args.once:
             return 0
-        log("serving; Ctrl-C stops everything")
+        log("serving; Ctrl-C (or SIGTERM) stops everything")
+        next_summary = time.monotonic() + args.summary_every
         while True:
-            time.sleep(args.summary_every)
-            print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
+            # Short sleeps: a signal that one of Ray's threads took interrupts no sleep of this
+            # thread, and Python raises KeyboardInterrupt here only between sleeps.
+            time.sleep(min(1.0, max(0.0, next_summary - time.monotonic())))
+            if time.monotonic() >= next_summary:
+                next_summary += args.summary_every
+                print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()),
+                      flush=True)
     finally:
         deployment.stop()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,8 +1,10 @@
 """The local deployment end to end (slow): `engram-ray local` as a user runs it, then the OpenAI
 API, malformed requests, every dashboard panel through a real Prometheus, 100 concurrent streams,
-an engine killed under load, and Ctrl-C followed by a clean second run.
+an engine killed under load, Ctrl-C followed by a clean second run, and SIGTERM stopping a third
+as cleanly.
 
-One deployment for the whole module (two vLLM engines on CPU take minutes to start).
+One deployment for the whole module (two vLLM engines on CPU take a minute or more to start);
+the SIGTERM test starts its own.
 """
 
 import json
@@ -34,12 +36,17 @@ MODEL = "engram-tiny"
 STARTUP_S = 900
 
 
+def engine_segments() -> set[Path]:
+    """vLLM's shared-memory ring buffers (engram_ray.serving.engine_shm)."""
+    return set(Path("/dev/shm").glob("psm_*"))
+
+
 class Local:
     def __init__(self, workdir: Path):
         self.workdir, self.port = workdir, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = workdir / "out.txt", workdir / "err.txt"
-        self.segments_before = set(Path("/dev/shm").glob("psm_*"))  # vLLM's ring buffers
+        self.segments_before = engine_segments()
         self.proc = subprocess.Popen(
             ["engram-ray", "local", "--workdir", str(workdir), "--port", str(self.port),
              "--summary-every", "3600"],
@@ -236,7 +243,7 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
     # vLLM's ring buffers of every engine, the one killed above included (engram_ray.serving.
     # engine_shm); and the record of each replica's segments
-    assert not set(Path("/dev/shm").glob("psm_*")) - local.segments_before
+    assert not engine_segments() - local.segments_before
     assert not list(Path(tempfile.gettempdir(), "engram-ray", "engine-shm").glob("*.json"))
     assert not (local.workdir / "store" / "local").exists()
     assert not local.targets_file.exists()
@@ -251,3 +258,20 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
                            timeout=STARTUP_S)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "completion of 'The river':" in again.stdout
+
+
+def test_sigterm_stops_cleanly_like_ctrl_c(tmp_path):
+    """`kill` (SIGTERM: systemd, docker stop) stops Serve and Ray and cleans up as Ctrl-C does."""
+    before = engine_segments()
+    run = Local(tmp_path)
+    try:
+        run.wait_for("live metrics:", STARTUP_S)
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(120) == 130
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert "stopping: Serve, Ray" in run.err.read_text()
+    assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
+    assert not (run.workdir / "store" / "local").exists()
+    assert not engine_segments() - before
