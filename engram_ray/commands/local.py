@@ -50,10 +50,12 @@ def run(args) -> int:
     from engram_ray.serving.local import LocalDeployment, LocalOptions, log
     from engram_ray.serving.summary import format_summary
 
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, systemd, docker stop: stop cleanly too
     deployment = LocalDeployment(LocalOptions(workdir=args.workdir, port=args.port))
     try:
         deployment.start()
+        # `kill`, systemd, docker stop: stop cleanly too. Set after Ray starts: its driver
+        # installs a SIGTERM handler that aborts the process.
+        signal.signal(signal.SIGTERM, _interrupt)
         log("waiting for the engines (vLLM on CPU; a few minutes on 2 cores)")
         seconds = deployment.wait_ready()
         log(f"ready after {seconds:.0f} s")

@@ -81,10 +81,19 @@ def mapped_segments(pid: int | None = None) -> list[str]:
 
 
 def record_segments(owner: str, pid: int | None = None) -> Path:
-    """Write the segments `pid`'s process tree maps now to RECORDS/<owner>.json."""
+    """Add the segments `pid`'s process tree maps now to RECORDS/<owner>.json (an engine
+    creates some only once it serves, so a replica records again while it runs)."""
     RECORDS.mkdir(parents=True, exist_ok=True)
     record = RECORDS / f"{owner}.json"
-    record.write_text(json.dumps(mapped_segments(pid)))
+    try:
+        known = set(json.loads(record.read_text()))
+    except (OSError, ValueError):
+        known = set()
+    fresh = known | set(mapped_segments(pid))
+    if fresh != known or not record.exists():
+        partial = record.with_suffix(".part")
+        partial.write_text(json.dumps(sorted(fresh)))
+        os.replace(partial, record)
     return record
 
 

@@ -12,6 +12,7 @@ check, so Serve restarts it and it joins the new generation.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -27,6 +28,9 @@ from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
 from engram_ray.serving.kv_cache import engine_capacity, probe_engine_kwargs
 
 APP_CONFIG_KEY = "engram_app"
+# The engine's shared-memory segments are recorded again at a health check this often (some
+# exist only once it serves; engram_ray.serving.engine_shm).
+RECORD_SEGMENTS_EVERY_S = 10.0
 
 
 class GroupMovedError(EngramRayError):
@@ -104,6 +108,7 @@ class EngramServerMixin:
             await self._attach_stat_logger()
             await self._register_model_process_target()
             record_segments(self._replica_id)
+            self._segments_recorded_at = time.monotonic()
             await self._registry.ready.remote(self._replica_id)
         except BaseException as exc:
             await self._leave(f"replica failed to start: {type(exc).__name__}: {exc}")
@@ -176,6 +181,10 @@ class EngramServerMixin:
 
     async def check_health(self) -> None:
         await super().check_health()
+        recorded_at = getattr(self, "_segments_recorded_at", None)  # None: not started yet
+        if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
+            self._segments_recorded_at = time.monotonic()
+            await asyncio.to_thread(record_segments, self._replica_id)
         is_current, reason = await self._registry.is_current.remote(self._replica_id)
         if not is_current:
             self.engram_metrics.set_group(self._assignment["generation_index"], False)

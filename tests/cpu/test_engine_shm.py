@@ -50,6 +50,8 @@ def test_segments_of_a_process_tree_are_found_recorded_and_released_once_unused(
     proc.send_signal(signal.SIGKILL)  # an engine killed with its replica: nothing cleans up
     proc.wait()
     assert os.path.exists(path)
+    engine_shm.record_segments("replica-1")  # recorded again: what it knew stays
+    assert path in record.read_text()
     assert engine_shm.release_recorded() == []
     assert not os.path.exists(path) and not record.exists()
 
