@@ -50,6 +50,9 @@ def run(args) -> int:
     from engram_ray.serving.local import LocalDeployment, LocalOptions, log
     from engram_ray.serving.summary import format_summary
 
+    # Ctrl-C / `kill -INT` stop it cleanly even when started from a shell that ignores SIGINT
+    # (background jobs, nohup), whose SIG_IGN Python would otherwise keep.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     deployment = LocalDeployment(LocalOptions(workdir=args.workdir, port=args.port))
     try:
         deployment.start()
