@@ -80,15 +80,9 @@ def run(args) -> int:
         if args.once:
             return 0
         log("serving; Ctrl-C (or SIGTERM) stops everything")
-        next_summary = time.monotonic() + args.summary_every
         while True:
-            # Short sleeps: a signal that one of Ray's threads took interrupts no sleep of this
-            # thread, and Python raises KeyboardInterrupt here only between sleeps.
-            time.sleep(min(1.0, max(0.0, next_summary - time.monotonic())))
-            if time.monotonic() >= next_summary:
-                next_summary += args.summary_every
-                print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()),
-                      flush=True)
+            time.sleep(args.summary_every)
+            print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
     finally:
         deployment.stop()
 
