@@ -26,11 +26,12 @@ def _mapped_path(line: str) -> str:
     return line.split(None, 5)[-1].rstrip("\n").removesuffix(" (deleted)")
 
 
-def processes_using(paths: list[str]) -> set[int]:
-    """Ids of live processes other than this one that map or hold open any of `paths`
-    (/proc/<pid>/maps and /proc/<pid>/fd; processes this user may not inspect are skipped)."""
-    wanted = {os.path.realpath(path) for path in paths}
-    users: set[int] = set()
+def _users(paths: list[str]) -> dict[str, set[int]]:
+    """Each of `paths` that a live process other than this one maps or holds open, with those
+    processes' ids (one pass over /proc/<pid>/maps and /proc/<pid>/fd; processes this user may
+    not inspect are skipped)."""
+    wanted = {os.path.realpath(path): path for path in paths}
+    users: dict[str, set[int]] = {}
     if not wanted:
         return users
     for proc in glob.glob("/proc/[0-9]*"):
@@ -39,16 +40,21 @@ def processes_using(paths: list[str]) -> set[int]:
             continue
         try:
             with open(os.path.join(proc, "maps")) as maps:
-                if any(_mapped_path(line) in wanted for line in maps):
-                    users.add(pid)
-                    continue
+                found = {wanted[m] for m in map(_mapped_path, maps) if m in wanted}
             for fd in os.listdir(os.path.join(proc, "fd")):
-                if os.readlink(os.path.join(proc, "fd", fd)) in wanted:
-                    users.add(pid)
-                    break
+                target = os.readlink(os.path.join(proc, "fd", fd))
+                if target in wanted:
+                    found.add(wanted[target])
         except OSError:  # gone, or not ours to inspect
             continue
+        for path in found:
+            users.setdefault(path, set()).add(pid)
     return users
+
+
+def processes_using(paths: list[str]) -> set[int]:
+    """Ids of live processes other than this one that map or hold open any of `paths`."""
+    return set().union(*_users(paths).values())
 
 
 def descendants(pid: int) -> list[int]:
@@ -100,18 +106,14 @@ def record_segments(owner: str, pid: int | None = None) -> Path:
 def release_segments(paths: list[str]) -> list[str]:
     """Unlink those of `paths` that exist and no other live process uses; returns the ones
     kept (still in use)."""
-    kept = []
+    in_use = _users([path for path in paths if os.path.exists(path)])
     for path in paths:
-        if not os.path.exists(path):
-            continue
-        if processes_using([path]):
-            kept.append(path)
-            continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return kept
+        if path not in in_use:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return [path for path in paths if path in in_use]
 
 
 def release_recorded(owner: str | None = None, wait_s: float = 0.0) -> list[str]:
@@ -120,16 +122,17 @@ def release_recorded(owner: str | None = None, wait_s: float = 0.0) -> list[str]
     processes exiting after a stop). Returns the segments kept."""
     deadline = time.monotonic() + wait_s
     while True:
-        kept = []
+        records = {}
         for record in RECORDS.glob(f"{owner}.json" if owner else "*.json"):
             try:
-                segments = json.loads(record.read_text())
+                records[record] = json.loads(record.read_text())
             except (OSError, ValueError):  # half-written by a replica killed while writing
-                segments = []
-            still = release_segments(segments)
-            kept += still
-            if not still:
+                records[record] = []
+        kept = set(release_segments(sorted({s for segments in records.values()
+                                            for s in segments})))
+        for record, segments in records.items():
+            if not kept.intersection(segments):
                 record.unlink(missing_ok=True)
         if not kept or time.monotonic() >= deadline:
-            return kept
+            return sorted(kept)
         time.sleep(0.5)

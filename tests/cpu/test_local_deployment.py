@@ -7,6 +7,7 @@ One deployment for the whole module (two vLLM engines on CPU take a minute or mo
 the SIGTERM test starts its own.
 """
 
+import glob
 import json
 import re
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from engram_ray.serving import engine_shm
 from engram_ray.serving.loadgen import run_load
 from engram_ray.serving.prometheus import Prometheus, free_port, scrape_config
 from engram_ray.serving.summary import engine_row, merge_by_engine
@@ -36,9 +38,9 @@ MODEL = "engram-tiny"
 STARTUP_S = 900
 
 
-def engine_segments() -> set[Path]:
+def engine_segments() -> set[str]:
     """vLLM's shared-memory ring buffers (engram_ray.serving.engine_shm)."""
-    return set(Path("/dev/shm").glob("psm_*"))
+    return set(glob.glob(engine_shm.SEGMENT_PREFIX + "*"))
 
 
 class Local:
@@ -244,7 +246,7 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     # vLLM's ring buffers of every engine, the one killed above included (engram_ray.serving.
     # engine_shm); and the record of each replica's segments
     assert not engine_segments() - local.segments_before
-    assert not list(Path(tempfile.gettempdir(), "engram-ray", "engine-shm").glob("*.json"))
+    assert not list(engine_shm.RECORDS.glob("*.json"))
     assert not (local.workdir / "store" / "local").exists()
     assert not local.targets_file.exists()
     # Model processes hand their metrics address over in a file each replica removes once read.
@@ -262,7 +264,6 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
 
 def test_sigterm_stops_cleanly_like_ctrl_c(tmp_path):
     """`kill` (SIGTERM: systemd, docker stop) stops Serve and Ray and cleans up as Ctrl-C does."""
-    before = engine_segments()
     run = Local(tmp_path)
     try:
         run.wait_for("live metrics:", STARTUP_S)
@@ -274,4 +275,4 @@ def test_sigterm_stops_cleanly_like_ctrl_c(tmp_path):
     assert "stopping: Serve, Ray" in run.err.read_text()
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
     assert not (run.workdir / "store" / "local").exists()
-    assert not engine_segments() - before
+    assert not engine_segments() - run.segments_before
