@@ -8,10 +8,23 @@ import triton.language as tl
 
 
 @triton.jit
+def id_offsets(pos, ids_stride, IDS_COLS: tl.constexpr):
+    """Element offsets of looked-up rows `pos` in the ids: `pos` itself for flat ids
+    (IDS_COLS 0), else token `pos // IDS_COLS`, column `pos % IDS_COLS` of a `[T, IDS_COLS]`
+    view with tokens `ids_stride` apart (vLLM passes one layer's columns of `[T, L, C]`)."""
+    offsets = pos
+    if IDS_COLS:
+        pos_32 = pos.to(tl.int32)  # < 2^30 rows per launch: 32-bit division by a constant
+        offsets = (pos_32 // IDS_COLS).to(tl.int64) * ids_stride + (pos_32 % IDS_COLS)
+    return offsets
+
+
+@triton.jit
 def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
               HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
-              LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr):
+              LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr,
+              ids_stride, IDS_COLS: tl.constexpr):
     """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
@@ -19,7 +32,8 @@ def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
     col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]   # [1, NUM_SCALES, 32]
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
-    row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
+    row = tl.load(row_ids + id_offsets(pos, ids_stride, IDS_COLS), mask=in_range,
+                  other=-1).to(tl.int64)
     has_row = row >= 0
     row = tl.where(has_row, row, 0)
     if IS_PEER:
@@ -51,7 +65,8 @@ def _power_of_two(exponent):
 @triton.jit
 def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
                     IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                    LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr):
+                    LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr,
+                    ids_stride, IDS_COLS: tl.constexpr):
     """Tables of 264-byte rows (33 words): each row as two loads cut at its first
     (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
     the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
@@ -63,7 +78,8 @@ def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK
     # 3.6, where restructuring it once hit a compiler bug.
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
-    row = tl.load(row_ids + pos, mask=in_range, other=-1).to(tl.int64)
+    row = tl.load(row_ids + id_offsets(pos, ids_stride, IDS_COLS), mask=in_range,
+                  other=-1).to(tl.int64)
     has_row = row >= 0
     row = tl.where(has_row, row, 0)
     if IS_PEER:

@@ -2,6 +2,7 @@
 against the torch reference; used by test_lookup_interpreter.py in a subprocess, since the
 interpreter must be chosen before the kernel module is imported.
 Usage: TRITON_INTERPRET=1 python tests/cpu/interpreted_lookup.py HEAD_DIM SEED
+       TRITON_INTERPRET=1 python tests/cpu/interpreted_lookup.py launcher SEED
 """
 
 import itertools
@@ -27,7 +28,7 @@ def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,
         flat, dst = flat.sort()
     programs = 3
     kernel._engram_lookup_kernel[(programs,)](
-        src, flat, dst, result, flat.numel(), peer_rows or 1, programs, HEAD_DIM=head_dim,
+        src, flat, dst, result, flat.numel(), peer_rows or 1, programs, 0, HEAD_DIM=head_dim,
         SCALE_WORD=kernel.SCALE_WORDS[head_dim // 32], BLOCK_R=block_rows,
         IS_PEER=peer_rows is not None, IS_SORTED=sort, IS_BF16=out == "bf16",
         PREFETCH=prefetch, ROW_ALIGN=math.gcd(row_bytes, 8), ROWS_32=rows_32,
@@ -118,5 +119,46 @@ def check_split_loads(table, head_dim: int) -> int | None:
     return checked
 
 
+def check_launcher(seed: int) -> int:
+    """`LookupLauncher` (what serving calls) on CPU tensors: int32 and int64 ids, contiguous and
+    as a column slice of `[T, L, C]` (vLLM's hashes), both outputs written in place, tables and
+    peer slices, the policy's 16-row tiles and fixed 32-row / sorted / prefetch launches; every
+    call twice (the second reuses the prepared launch)."""
+    from engram_ray.kernels.lookup_launch import LookupLauncher
+    torch.manual_seed(seed)
+    head_dim, rows, cols = 256, 37, 3
+    table = random_table(rows, head_dim)
+    table[:, head_dim:] = torch.randint(110, 140, (rows, head_dim // 32), dtype=torch.uint8)
+    half = (rows + 1) // 2
+    slices = [table[:half].clone(), torch.zeros(half, table.shape[1], dtype=torch.uint8)]
+    slices[1][:rows - half] = table[half:]
+    bases = torch.tensor([part.data_ptr() for part in slices], dtype=torch.int64)
+    sources = {"table": dict(table=table), "peer": dict(peer_bases=bases, rows_per_rank=half)}
+    options = [{}, dict(block_rows=32), dict(sort_rows=True), dict(prefetch=True)]
+    checked = 0
+    for (name, source), opts, dtype, is_view, out, tokens in itertools.product(
+            sources.items(), options, [torch.int32, torch.int64], [False, True],
+            ["packed", "bf16"], [1, 19]):
+        launcher = LookupLauncher(head_dim=head_dim, device=torch.device("cpu"), **source,
+                                  **opts)
+        for _ in range(2):
+            hashes = torch.randint(-1, rows, (tokens, 2, cols), dtype=dtype)
+            ids = hashes[:, 1] if is_view else hashes[:, 1].contiguous()
+            width = table.shape[1] if out == "packed" else head_dim
+            into = torch.empty(tokens, cols, width, dtype=kernel.OUTPUTS[out])
+            into.view(torch.uint8).fill_(0xA5)
+            assert launcher(ids, into) is into
+            expected = lookup_reference(table, ids.to(torch.int64), head_dim, out)
+            if not torch.equal(into.view(torch.uint8), expected.view(torch.uint8)):
+                print(f"MISMATCH launcher {name} {opts} {dtype} view={is_view} out={out} "
+                      f"tokens={tokens}")
+                return 1
+            checked += 1
+    print(f"ok launcher cases={checked}")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "launcher":
+        sys.exit(check_launcher(int(sys.argv[2])))
     sys.exit(check(int(sys.argv[1]), int(sys.argv[2])))

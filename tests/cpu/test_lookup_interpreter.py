@@ -20,3 +20,14 @@ def test_kernel_under_the_interpreter_matches_the_reference(head_dim, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"ok head_dim={head_dim}" in done.stdout
+
+
+def test_prepared_launcher_under_the_interpreter_matches_the_reference(tmp_path):
+    """The launcher serving calls (kernels/lookup_launch.py): ids as vLLM hands them (int32, a
+    column slice), outputs written in place; tests/gpu repeats it with direct launches."""
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp_path))
+    script = Path(__file__).with_name("interpreted_lookup.py")
+    done = subprocess.run([sys.executable, str(script), "launcher", "11"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "ok launcher" in done.stdout
