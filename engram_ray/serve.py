@@ -18,10 +18,14 @@ from engram_ray.serving.config import ServeAppConfig
 def engine_kwargs(app: ServeAppConfig) -> dict:
     """vLLM engine arguments of every replica (the peer-group settings are added per replica).
 
-    Eager mode and no prefix caching: the Engram n-gram history is kept per KV slot."""
+    CUDA graphs and prefix caching as vLLM decides, except for architectures that need other
+    settings (`engram_ray.models.engine_settings`: the tiny model's per-KV-slot n-gram
+    history needs eager mode and no prefix caching)."""
+    from engram_ray.models.engine_settings import architecture_engine_kwargs
+
     srv = app.serving
-    kwargs = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
-              "enable_prefix_caching": False, "disable_log_stats": False}
+    kwargs = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "disable_log_stats": False,
+              **architecture_engine_kwargs(srv.model_source)}
     if srv.max_model_len is not None:
         kwargs["max_model_len"] = srv.max_model_len
     if srv.data_parallel_size > 1:

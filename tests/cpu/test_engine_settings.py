@@ -1,0 +1,45 @@
+"""Engine settings per model architecture (engram_ray.models.engine_settings) as the Serve
+app passes them (`engram_ray.serve.engine_kwargs`): DeepSeek-V4.1 runs with vLLM's defaults
+(CUDA graphs on, prefix caching as vLLM decides), the tiny model eager without prefix caching
+(its n-gram history is written per KV slot by Python on the host)."""
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from engram_ray.models.engine_settings import architecture_engine_kwargs, model_architectures
+from engram_ray.serve import engine_kwargs
+from engram_ray.serving.cluster_configs import load_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "cluster_configs"
+
+
+def _app(yaml_name: str, model_dir: Path):
+    app = next(iter(load_serve_config(CONFIGS / yaml_name).values()))
+    deployment = app.deployment
+    if deployment.checkpoint:  # fill: checkpoint reads the tables from the same folder
+        deployment = replace(deployment, checkpoint=str(model_dir))
+    return replace(app, deployment=deployment,
+                   serving=replace(app.serving, model_source=str(model_dir)))
+
+
+def test_deepseek_engines_keep_vllms_defaults(tmp_path):
+    shutil.copy(CONFIGS / "models" / "deepseek-v4.1-flash.json", tmp_path / "config.json")
+    assert model_architectures(str(tmp_path)) == ["DeepseekV41ForCausalLM"]
+    kwargs = engine_kwargs(_app("serve_deepseek_v41_flash.yaml", tmp_path))
+    assert "enforce_eager" not in kwargs and "enable_prefix_caching" not in kwargs
+    assert kwargs["engram_config"] == {"cpu_offload": False}  # the YAML's own settings stay
+
+
+def test_tiny_engines_run_eager_without_prefix_caching(tmp_path):
+    from engram_ray.models.tiny_checkpoint import ARCHITECTURE
+    (tmp_path / "config.json").write_text('{"architectures": ["%s"]}' % ARCHITECTURE)
+    kwargs = engine_kwargs(_app("serve_local_tiny.yaml", tmp_path))
+    assert kwargs["enforce_eager"] is True and kwargs["enable_prefix_caching"] is False
+
+
+def test_an_unreadable_config_gets_the_settings_every_model_runs_with(tmp_path):
+    assert model_architectures(str(tmp_path / "missing")) is None
+    assert architecture_engine_kwargs(str(tmp_path / "missing")) == {
+        "enforce_eager": True, "enable_prefix_caching": False}
