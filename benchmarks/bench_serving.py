@@ -61,7 +61,7 @@ def kill_one_engine(deployment, num_streams: int, max_tokens: int) -> dict:
             deployment.complete("hi", max_tokens=4)
             first_ok = first_ok or time.monotonic() - killed_at
             rows = [engine_row(samples) for samples in
-                    merge_by_engine(deployment.metrics_texts()).values()]
+                    merge_by_engine(deployment.metrics_texts()[0]).values()]
         except Exception:  # still restarting
             continue
         if len(rows) == 2 and all(r["healthy"] and r["generation"] >= 2 for r in rows):

@@ -1,6 +1,16 @@
 """vLLM general plugin (entry point group `vllm.general_plugins`), run in every vLLM process.
 
 `register()`:
+- requests the AMX tile state on a CPU with AMX (`engram_ray.cpu_features.request_amx`): vLLM's
+  CPU attention uses AMX there, and a worker that never asked Linux for the tile state dies with
+  SIGILL at its first forward. The plugin is the one hook that runs in every vLLM process (the
+  driver, EngineCore and every worker) before model code; no other process the project starts
+  runs AMX code of vLLM's (Ray actors, the CLI and the torch reference use oneDNN, which asks
+  for itself);
+- turns on Python's `faulthandler` (if not on already), so a process killed by a fatal signal
+  (SIGILL, SIGSEGV, SIGBUS, SIGFPE, SIGABRT) says which signal and where on its stderr, the
+  replica's log: vLLM itself logs only an exit code, and not at all for a worker that dies
+  before it is ready (`engram_ray.serving.engine_death` reads it back);
 - registers `EngramTinyForCausalLM` (engram_ray.models.tiny_engram) as a vLLM architecture,
   by name only, so nothing heavy is imported here;
 - patches DeepSeek-V4.1's Engram table class (`engram_ray.models.deepseek_engram`) in
@@ -11,6 +21,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.abc
 import importlib.util
 import sys
@@ -57,6 +68,11 @@ def install_deepseek_patch() -> None:
 
 
 def register() -> None:
+    from engram_ray.cpu_features import request_amx
+
+    request_amx()  # first: before vLLM can run an AMX instruction in this process (see above)
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     from vllm import ModelRegistry
 
     if TINY_ARCHITECTURE not in ModelRegistry.get_supported_archs():

@@ -14,7 +14,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-HELP = "check this node for the peer-group table path (GPUs, NVLink, VMM, handles, pidfd, shm)"
+HELP = ("check this node for the peer-group table path (GPUs, NVLink, VMM, handles, pidfd, shm) "
+        "and the CPU features vLLM on CPU uses (AVX-512, AMX)")
 THP_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 CAP_SYS_PTRACE_BIT = 19
 
@@ -49,7 +50,16 @@ def run(args) -> int:
 # --- host -------------------------------------------------------------------------------
 
 def host_checks(shm_dir: str) -> list[Check]:
-    return [check_shm(shm_dir), check_thp(), check_pidfd()]
+    return [check_cpu(), check_shm(shm_dir), check_thp(), check_pidfd()]
+
+
+def check_cpu() -> Check:
+    """The CPU features vLLM's CPU backend will use (engram_ray.cpu_features)."""
+    from engram_ray.cpu_features import CpuFeatures
+
+    cpu = CpuFeatures.probe()
+    status = "warn" if cpu.has_amx and not cpu.is_amx_usable else "info"
+    return Check("CPU (vLLM CPU backend)", status, cpu.describe())
 
 
 def check_shm(shm_dir: str) -> Check:

@@ -48,7 +48,6 @@ def _plan_text(deployment) -> str:
 
 def run(args) -> int:
     from engram_ray.serving.local import LocalDeployment, LocalOptions, log
-    from engram_ray.serving.summary import format_summary
 
     # Ctrl-C / `kill -INT` stop it cleanly even when started from a shell that ignores SIGINT
     # (background jobs, nohup), whose SIG_IGN Python would otherwise keep.
@@ -69,10 +68,10 @@ def run(args) -> int:
         print(f"\nendpoint: {deployment.url}/v1  (model {deployment.model_id!r}; OpenAI API: "
               "completions, chat completions, streaming)")
         print(f"ray:      {deployment.ray_address}  (RAY_AUTH_MODE=disabled)")
-        print(f"metrics:  {', '.join(f'http://{t}/metrics' for t in deployment.targets())}"
-              f"\n          (Prometheus file_sd list: "
-              f"{deployment.config.serving.prometheus_targets_file})")
-        print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
+        print(f"targets:  {deployment.config.serving.prometheus_targets_file}  (Prometheus "
+              "file_sd list of the engines' metrics endpoints)")
+        ready_at = time.time()
+        print("\nlive metrics:\n" + deployment.status_text(), flush=True)
         if args.prometheus_port:
             prometheus = deployment.start_prometheus(args.prometheus_port)
             print(f"prometheus: {prometheus.url}  (scrapes every engine; queries of "
@@ -82,7 +81,10 @@ def run(args) -> int:
         log("serving; Ctrl-C (or SIGTERM) stops everything")
         while True:
             time.sleep(args.summary_every)
-            print("\nlive metrics:\n" + format_summary(deployment.metrics_texts()), flush=True)
+            # Deaths since the last block; the deployment carries on while Serve restarts
+            # the engine (only a death before ready stops it: wait_ready).
+            block, ready_at = deployment.status_text(since=ready_at), time.time()
+            print("\nlive metrics:\n" + block, flush=True)
     finally:
         deployment.stop()
 

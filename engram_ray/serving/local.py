@@ -18,10 +18,14 @@ from importlib import resources
 from pathlib import Path
 
 from engram_ray.errors import EngramRayError
+from engram_ray.serving.engine_death import EngineDiedError, deaths_dir, read_deaths
 from engram_ray.serving.engine_shm import processes_using, release_recorded
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
 STARTUP_TIMEOUT_S = 900
+# After a failed check request: how long a dying engine's replica may take to record why
+# (its next health check; serve_local_tiny.yaml's period is a few seconds).
+DEATH_REPORT_WAIT_S = 30.0
 
 
 @dataclass
@@ -63,6 +67,9 @@ class LocalDeployment:
         self.model_id = self.config.serving.model_id
         self._ray_started = False
         self.ray_address = None
+        self.deaths = deaths_dir(self.config.deployment.peer_group_store,
+                                 self.config.deployment.name)
+        self._engine_of_target: dict[str, str] = {}
 
     # --- life cycle ----------------------------------------------------------------------
     def clean_stale(self, refuse_live: bool = True) -> None:
@@ -135,6 +142,9 @@ class LocalDeployment:
             if elapsed > self.options.startup_timeout_s:
                 raise EngramRayError(f"the local deployment was not ready after {elapsed:.0f} s:"
                                      f" {self._state_text()}")
+            died = read_deaths(self.deaths)
+            if died:  # an engine that dies before the deployment is ready is not retried
+                raise EngineDiedError(died[0].line())
             app = serve.status().applications.get(self.app_name)
             state = self._state_text(app)
             if app is not None and app.status == "DEPLOY_FAILED":
@@ -164,11 +174,23 @@ class LocalDeployment:
             return False
 
     def complete(self, prompt: str = "The river", max_tokens: int = 16) -> str:
-        from openai import OpenAI
+        """The check's greedy completion; EngineDied if an engine died serving it."""
+        from openai import OpenAI, OpenAIError
 
         client = OpenAI(base_url=f"{self.url}/v1", api_key="local", max_retries=2)
-        result = client.completions.create(model=self.model_id, prompt=prompt,
-                                           max_tokens=max_tokens, temperature=0.0)
+        asked_at = time.time()
+        try:
+            result = client.completions.create(model=self.model_id, prompt=prompt,
+                                               max_tokens=max_tokens, temperature=0.0)
+        except OpenAIError as exc:
+            deadline = time.monotonic() + DEATH_REPORT_WAIT_S
+            while time.monotonic() < deadline:
+                died = read_deaths(self.deaths, since=asked_at - 1)
+                if died:
+                    raise EngineDiedError(died[0].line()) from None
+                time.sleep(1.0)
+            raise EngramRayError(f"the check's completion failed: {type(exc).__name__}: "
+                                 f"{exc}") from None
         return result.choices[0].text
 
     def targets(self) -> list[str]:
@@ -179,12 +201,37 @@ class LocalDeployment:
             return []
         return [t for group in json.loads(Path(path).read_text()) for t in group["targets"]]
 
-    def metrics_texts(self) -> dict[str, str]:
-        out = {}
+    def metrics_texts(self) -> tuple[dict[str, str], list[str]]:
+        """(target -> /metrics text, targets listed but not answering). A target stays listed
+        for a few seconds after its engine died, and a restarting engine has none yet."""
+        texts, silent = {}, []
         for target in self.targets():
-            with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
-                out[target] = resp.read().decode()
-        return out
+            try:
+                with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as resp:
+                    texts[target] = resp.read().decode()
+            except OSError:
+                silent.append(target)
+        return texts, silent
+
+    def status_text(self, since: float = 0.0) -> str:
+        """The live-metrics block: one row per engine, engines not answering (dead or
+        restarting) and engine deaths recorded since `since`, the current endpoints."""
+        from engram_ray.serving.summary import engine_of, format_summary, parse_samples
+
+        texts, silent = self.metrics_texts()
+        for target, text in texts.items():
+            engine = engine_of(parse_samples(text))
+            if engine != "?":
+                self._engine_of_target[target] = engine
+        lines = [format_summary(texts)]
+        for target in silent:
+            engine = self._engine_of_target.get(target, "an engine")
+            lines.append(f"{engine} at http://{target}/metrics: not answering (dead or "
+                         "restarting; Serve restarts it)")
+        lines += [f"{d.line()}; Serve restarts it" for d in read_deaths(self.deaths, since)]
+        lines.append("metrics:  " + (", ".join(f"http://{t}/metrics" for t in sorted(texts))
+                                     or "none answering"))
+        return "\n".join(lines)
 
     def start_prometheus(self, port: int):
         """A Prometheus on 127.0.0.1:`port` scraping the engines (dashboards/prometheus.yml)."""

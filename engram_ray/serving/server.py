@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import tempfile
 import time
@@ -22,6 +23,7 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPServer
 
 from engram_ray.errors import EngramRayError
+from engram_ray.serving.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.metrics import EngineIdentity, EngineMetrics
 from engram_ray.serving.engine_shm import record_segments, release_recorded
 from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
@@ -31,6 +33,7 @@ APP_CONFIG_KEY = "engram_app"
 # The engine's shared-memory segments are recorded again at a health check this often (some
 # exist only once it serves; engram_ray.serving.engine_shm).
 RECORD_SEGMENTS_EVERY_S = 10.0
+logger = logging.getLogger("ray.serve")
 
 
 class GroupMovedError(EngramRayError):
@@ -112,7 +115,10 @@ class EngramServerMixin:
             await self._registry.ready.remote(self._replica_id)
         except BaseException as exc:
             await self._leave(f"replica failed to start: {type(exc).__name__}: {exc}")
-            raise
+            death = self._engine_death("while starting")
+            if death is None:
+                raise
+            raise EngineDiedError(death.line()) from None
 
     def _replica(self) -> tuple[str, object, dict]:
         """(Serve replica id, this replica's actor handle, its node's labels)."""
@@ -154,7 +160,21 @@ class EngramServerMixin:
                                              advertise_host=ray.util.get_node_ip_address())
         await self._registry.register_target.remote(self._replica_id,
                                                     self._metrics_server.target)
+        self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
+            app.deployment.peer_group_store, app.deployment.name))
         await super().start()
+
+    def _engine_death(self, phase: str):
+        """The engine's death (`engine_death.EngineDeath`) if its processes or log show one;
+        logged and recorded for `engram-ray local`."""
+        watch = getattr(self, "_engine_watch", None)
+        if watch is None:  # failed before its engine started
+            return None
+        death = watch.find(phase, getattr(getattr(self, "engine", None), "_engine_client", None))
+        if death is not None:
+            logger.error("engram-ray: %s", death.line())
+            watch.report(death)
+        return death
 
     async def _register_model_process_target(self) -> None:
         """The model process's lookup metrics endpoint, if it started one
@@ -180,7 +200,13 @@ class EngramServerMixin:
                 self.engram_metrics, capacity.capacity_bytes, capacity.capacity_tokens))
 
     async def check_health(self) -> None:
-        await super().check_health()
+        try:
+            await super().check_health()
+        except Exception:
+            death = self._engine_death("while serving")
+            if death is None:
+                raise
+            raise EngineDiedError(death.line()) from None
         recorded_at = getattr(self, "_segments_recorded_at", None)  # None: not started yet
         if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
             self._segments_recorded_at = time.monotonic()

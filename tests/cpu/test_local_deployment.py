@@ -1,7 +1,8 @@
 """The local deployment end to end (slow): `engram-ray local` as a user runs it, then the OpenAI
 API, malformed requests, every dashboard panel through a real Prometheus, 100 concurrent streams,
-an engine killed under load, Ctrl-C followed by a clean second run, and SIGTERM stopping a third
-as cleanly.
+an engine killed under load, an engine core killed just before a status line, Ctrl-C followed by
+a clean second run, SIGTERM stopping a third as cleanly, and a fourth whose worker dies before
+the deployment is ready (reported in one line).
 
 One deployment for the whole module (two vLLM engines on CPU take a minute or more to start);
 the SIGTERM test starts its own.
@@ -9,6 +10,7 @@ the SIGTERM test starts its own.
 
 import glob
 import json
+import os
 import re
 import signal
 import socket
@@ -36,6 +38,19 @@ import generate  # noqa: E402
 
 MODEL = "engram-tiny"
 STARTUP_S = 900
+SUMMARY_EVERY_S = 5
+
+
+def vllm_processes(title: str) -> list[int]:
+    """PIDs of vLLM's processes by title ("VLLM::EngineCore", "VLLM::Worker")."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (proc / "cmdline").read_bytes().startswith(title.encode()):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
 
 
 def engine_segments() -> set[str]:
@@ -44,14 +59,14 @@ def engine_segments() -> set[str]:
 
 
 class Local:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, *options: str):
         self.workdir, self.port = workdir, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = workdir / "out.txt", workdir / "err.txt"
         self.segments_before = engine_segments()
         self.proc = subprocess.Popen(
             ["engram-ray", "local", "--workdir", str(workdir), "--port", str(self.port),
-             "--summary-every", "3600"],
+             "--summary-every", str(SUMMARY_EVERY_S), *options],
             stdout=open(self.out, "w"), stderr=open(self.err, "w"), start_new_session=True)
 
     def wait_for(self, text: str, timeout_s: float) -> str:
@@ -65,6 +80,17 @@ class Local:
             time.sleep(2)
         raise AssertionError(f"no {text!r} (rc {self.proc.poll()}):\n{self.out.read_text()}\n"
                              f"{self.err.read_text()[-4000:]}")
+
+    def wait_for_count(self, text: str, count: int, timeout_s: float) -> str:
+        """stdout once `text` occurs `count` times in it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            out = self.out.read_text()
+            if out.count(text) >= count:
+                return out
+            time.sleep(0.5)
+        raise AssertionError(f"{text!r} not {count} times (rc {self.proc.poll()}):\n"
+                             f"{self.out.read_text()[-4000:]}\n{self.err.read_text()[-4000:]}")
 
     @property
     def ray_address(self) -> str:
@@ -222,6 +248,28 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     assert all(f.error for f in failures)  # a failure says what happened
 
 
+def test_engine_core_killed_just_before_a_status_line_keeps_the_deployment(local):
+    """kill -9 of an EngineCore ~1.5 s before a status line: its metrics endpoint is still
+    listed then; the status line shows the engine as not answering (or its recorded death),
+    the deployment keeps running, and serves both engines again after the group restarts."""
+    generation = max(r["generation"] for r in local.engine_rows())
+    blocks = local.out.read_text().count("live metrics:")
+    local.wait_for_count("live metrics:", blocks + 1, timeout_s=60)
+    time.sleep(SUMMARY_EVERY_S - 1.5)
+    [victim, *_] = vllm_processes("VLLM::EngineCore")
+    os.kill(victim, signal.SIGKILL)
+    out = local.wait_for_count("live metrics:", blocks + 3, timeout_s=60)
+    after = out.split("live metrics:")[blocks + 2:]
+    assert any("not answering" in b or "died while serving" in b for b in after), after
+    _wait_until_serving_generation(local, generation + 1, timeout_s=600)
+    assert local.proc.poll() is None
+    count = local.out.read_text().count("live metrics:")
+    last = local.wait_for_count("live metrics:", count + 1, timeout_s=60).split(
+        "live metrics:")[-1]
+    assert "group-0-r0" in last and "group-0-r1" in last and "not answering" not in last, last
+    assert "Traceback" not in local.out.read_text() + local.err.read_text()
+
+
 def _wait_until_serving_generation(local, generation: int, timeout_s: float) -> float:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -276,3 +324,30 @@ def test_sigterm_stops_cleanly_like_ctrl_c(tmp_path):
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
     assert not (run.workdir / "store" / "local").exists()
     assert not engine_segments() - run.segments_before
+
+
+def test_worker_dying_before_ready_is_reported_in_one_line(tmp_path):
+    """A vLLM worker killed by SIGILL while its engine starts (what an AMX CPU did to workers
+    that had not requested the tile state): one line with the engine and its cause, exit code
+    2, no traceback, everything stopped and removed."""
+    run = Local(tmp_path, "--once")
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not vllm_processes("VLLM::Worker") and time.monotonic() < deadline:
+            assert run.proc.poll() is None, run.err.read_text()[-4000:]
+            time.sleep(0.2)
+        os.kill(vllm_processes("VLLM::Worker")[0], signal.SIGILL)
+        assert run.proc.wait(300) == 2
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    err, out = run.err.read_text(), run.out.read_text()
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"engram-ray local: error: engine group-0-r[01] died while starting: "
+                        r"worker exited with SIGILL \(illegal instruction\)[^;]*; see /\S+",
+                        last), err[-4000:]
+    assert Path(last.rsplit("see ", 1)[1]).is_file()  # the replica's log
+    assert "Traceback" not in err + out
+    assert "stopping: Serve, Ray" in err
+    assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
+    assert not (run.workdir / "store" / "local").exists()
