@@ -5,6 +5,7 @@ available, and a vLLM engine runs a forward; elsewhere those tests skip, saying 
 request must do nothing.
 """
 
+import signal
 import subprocess
 import sys
 
@@ -15,6 +16,38 @@ from engram_ray.cpu_features import CpuFeatures, amx_permitted, cpu_flags, reque
 HAS_AMX = "amx_tile" in cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX (no amx_tile in "
                                "/proc/cpuinfo): the SIGILL this guards against cannot happen here")
+
+
+# x86-64 machine code: ldtilecfg [rdi]; tilezero tmm0; tilerelease; ret. tilezero writes the
+# tile data registers, which Linux grants only on request (XFEATURE_XTILEDATA).
+_AMX_CODE = bytes.fromhex("c4e2784907" "c4e27b49c0" "c4e27849c0" "c3")
+RUN_AMX_INSTRUCTION = f"""
+import ctypes, mmap
+code = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+code.write({_AMX_CODE!r})
+config = (ctypes.c_uint8 * 64)()
+config[0] = 1                                   # palette 1
+config[16] = 64                                 # tmm0: 64 bytes per row (colsb[0], uint16)
+config[48] = 16                                 # tmm0: 16 rows
+address = ctypes.addressof(ctypes.c_char.from_buffer(code))
+ctypes.CFUNCTYPE(None, ctypes.c_void_p)(address)(ctypes.addressof(config))
+print("AMX OK")
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+@needs_amx
+def test_an_amx_instruction_needs_the_request():
+    """The failure itself, without vLLM: a process that has not asked dies with SIGILL at its
+    first tile instruction; after `request_amx()` the same instruction runs."""
+    assert _run(RUN_AMX_INSTRUCTION).returncode == -signal.SIGILL
+    granted = _run("from engram_ray.cpu_features import request_amx\n"
+                   "assert request_amx()\n" + RUN_AMX_INSTRUCTION)
+    assert granted.returncode == 0 and "AMX OK" in granted.stdout, granted.stderr
 
 
 def _fresh_python(code: str) -> str:
@@ -35,6 +68,7 @@ def test_request_grants_the_tile_state_to_a_fresh_process():
 @needs_amx
 def test_vllm_plugin_registration_requests_it():
     """What every vLLM process runs (the general plugin's entry point) asks for AMX first."""
+    pytest.importorskip("vllm")
     assert _fresh_python(
         "from engram_ray.cpu_features import amx_permitted; "
         "from engram_ray.vllm_plugin import register; register(); print(amx_permitted())") == [
