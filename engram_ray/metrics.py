@@ -82,7 +82,16 @@ class EngineMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._labels = identity.labels()
         self._rows_seen = {"local": 0, "remote": 0}
+        self._drains: list = []
+        # First in the registry: a scrape publishes pending lookup samples before it reads
+        # the lookup series (engram_ray.lookup_meter).
+        self.registry.register(_DrainOnCollect(self._drains))
         self._define()
+
+    def add_drain(self, drain) -> None:
+        """`drain()` runs at every scrape, before the series are read (lookup samples whose
+        device events completed since: engram_ray.lookup_meter.LookupMeter.drain)."""
+        self._drains.append(drain)
 
     def _define(self) -> None:
         r, E, T, L = self.registry, ENGINE_LABELS, TABLE_LABELS, LOOKUP_LABELS
@@ -213,19 +222,38 @@ def set_from_tables(metrics: EngineMetrics, tables, baseline=None) -> None:
     metrics.set_group(generation_number(stats["generation"]), True, stats["rendezvous_seconds"])
 
 
-def metered_lookup(metrics: EngineMetrics, tables, layer_id: int, row_ids, out: str = "packed"):
-    """`tables.lookup(layer_id, row_ids, out)`, timed, with local/remote rows counted.
-    CUDA lookups are synchronized around so the time is the kernel's, not its launch."""
-    table = tables.tables[layer_id]
-    sync = getattr(row_ids, "is_cuda", False)
-    if sync:
-        import torch
-        torch.cuda.synchronize(row_ids.device)
+def time_on_host(metrics: EngineMetrics, layer_id: int, rows_per_rank: int, rank: int,
+                 lookup, row_ids):
+    """`lookup()` of `row_ids` timed on the host clock, local/remote rows counted: right for
+    CPU lookups only (CUDA launches return before the work is done: engram_ray.lookup_meter
+    times those with events)."""
     start = time.perf_counter()
-    result = tables.lookup(layer_id, row_ids, out)
-    if sync:
-        torch.cuda.synchronize(row_ids.device)
+    result = lookup()
     seconds = time.perf_counter() - start
-    num_local, num_remote = count_remote_rows(row_ids, table.rows_per_rank, tables.spec.rank)
-    metrics.observe_lookup(table_name(layer_id), seconds, num_local, num_remote)
+    metrics.observe_lookup(table_name(layer_id), seconds,
+                           *count_remote_rows(row_ids, rows_per_rank, rank))
     return result
+
+
+def metered_lookup(metrics: EngineMetrics, tables, layer_id: int, row_ids, out: str = "packed"):
+    """`tables.lookup(layer_id, row_ids, out)` of CPU tables (the shm backend), timed, with
+    local/remote rows counted. CUDA lookups are metered without device syncs by
+    `engram_ray.lookup_meter.LookupMeter` (the serving path: `GroupTables`)."""
+    if getattr(row_ids, "is_cuda", False):
+        raise ValueError("metered_lookup times CPU lookups; CUDA lookups are metered by "
+                         "engram_ray.lookup_meter.LookupMeter (events, no device sync)")
+    table = tables.tables[layer_id]
+    return time_on_host(metrics, layer_id, table.rows_per_rank, tables.spec.rank,
+                        lambda: tables.lookup(layer_id, row_ids, out), row_ids)
+
+
+class _DrainOnCollect:
+    """A collector with no series of its own: runs the drains when the registry is read."""
+
+    def __init__(self, drains: list):
+        self._drains = drains
+
+    def collect(self):
+        for drain in list(self._drains):
+            drain()
+        return []

@@ -23,7 +23,7 @@ from engram_ray.layout import EngramLayout
 from engram_ray.peer.base import PeerMemory
 from engram_ray.peer.handle_types import check_handle_request
 from engram_ray.plan import rows_per_rank, slice_range
-from engram_ray.reference import lookup_reference_split, row_bytes_for
+from engram_ray.reference import row_bytes_for
 from engram_ray.rendezvous import Rendezvous
 
 BACKENDS = {"shm": "engram_ray.peer.shm:ShmPeerMemory",
@@ -77,6 +77,7 @@ class PeerGroupTable:
         self._memory = memory
         self.local = memory.allocate(layer_id, self.rows_per_rank, self.row_bytes)
         self._peer_bases: torch.Tensor | None = None
+        self._reader = None
 
     @property
     def num_owned_rows(self) -> int:
@@ -96,18 +97,29 @@ class PeerGroupTable:
             raise ConfigError("fill", f"is {fill!r}", f"one of {', '.join(FILLS)}")
         self.local[self.num_owned_rows:].zero_()
 
-    def lookup(self, row_ids: torch.Tensor, out: str = "packed") -> torch.Tensor:
-        """row_ids int64 `[T, C]` (-1 = no row) -> uint8 `[T, C, row_bytes]` or bf16
-        `[T, C, head_dim]`, read from whichever rank owns each row."""
-        if self._memory.name == "shm":
-            # Owned rows only, so ids past the table's end fail instead of reading padding.
-            slices = [s[:max(0, self.num_rows - r * self.rows_per_rank)]
-                      for r, s in enumerate(self._memory.slices(self.layer_id))]
-            return lookup_reference_split(slices, self.rows_per_rank, row_ids, self.head_dim,
-                                          out)
-        from engram_ray.kernels.lookup import engram_lookup
-        return engram_lookup(row_ids, head_dim=self.head_dim, peer_bases=self.peer_bases,
-                             rows_per_rank=self.rows_per_rank, out=out)
+    def lookup(self, row_ids: torch.Tensor, out: str = "packed",
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """row_ids int32/int64 `[T, C]` (-1 = no row) -> uint8 `[T, C, row_bytes]` or bf16
+        `[T, C, head_dim]` (written into `into` when given), read from whichever rank owns
+        each row, through `reader`."""
+        return self.reader.lookup(row_ids, out, into)
+
+    @property
+    def reader(self):
+        """This table's `engram_ray.table_lookup.TableLookup` over every rank's slice (made
+        once, after the rendezvous mapped the peers' slices)."""
+        if self._reader is None:
+            from engram_ray.table_lookup import TableLookup
+            if self._memory.name == "shm":
+                # Owned rows only, so ids past the table's end fail instead of reading padding.
+                slices = [s[:max(0, self.num_rows - r * self.rows_per_rank)]
+                          for r, s in enumerate(self._memory.slices(self.layer_id))]
+                self._reader = TableLookup(self.head_dim, slices=slices,
+                                           rows_per_rank=self.rows_per_rank)
+            else:
+                self._reader = TableLookup(self.head_dim, peer_bases=self.peer_bases,
+                                           rows_per_rank=self.rows_per_rank)
+        return self._reader
 
     @property
     def peer_bases(self) -> torch.Tensor:
@@ -120,7 +132,7 @@ class PeerGroupTable:
     def release(self) -> None:
         """Drop references to the slice memory (its owner is about to unmap it)."""
         self.local = None
-        self._peer_bases = None
+        self._peer_bases = self._reader = None
 
     def stats(self) -> dict:
         return {"layer_id": self.layer_id, "rows": self.num_rows,
@@ -140,11 +152,13 @@ class PeerGroupTables:
         self.rendezvous_started_at = rendezvous_started_at  # epoch seconds of arrival
         self._memory = memory
 
-    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "packed") -> torch.Tensor:
-        """`[T, C]` int64 -> `[T, C, row_bytes]` uint8 (packed) or `[T, C, head_dim]` bf16."""
+    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "packed",
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """`[T, C]` int32/int64 -> `[T, C, row_bytes]` uint8 (packed) or `[T, C, head_dim]`
+        bf16, written into `into` when given (`PeerGroupTable.lookup`)."""
         if layer_id not in self.tables:
             self.layout.layer_idx(layer_id)  # raises, naming the layers that have tables
-        return self.tables[layer_id].lookup(row_ids, out)
+        return self.tables[layer_id].lookup(row_ids, out, into)
 
     def stats(self) -> dict:
         return {"backend": self._memory.name, "handle_type": self._memory.handle_type,

@@ -112,17 +112,20 @@ class GroupSession:
             from engram_ray.metrics import set_table_memory
             from engram_ray.plan import make_plan
             set_table_memory(self.metrics, self.group, baseline=make_plan(self.layout, "hbm"))
-        if self.memory.name != "shm":
-            # Peer base addresses go to the device now, not inside a CUDA-graph capture.
-            for table in self.tables.values():
-                table.peer_bases  # noqa: B018 (a property that uploads and caches)
 
-    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str) -> torch.Tensor:
+    def reader(self, layer_id: int):
+        """The layer's `engram_ray.table_lookup.TableLookup` (every slice mapped, peer base
+        addresses already on the device: made at `join`, not inside a CUDA-graph capture)."""
         if self.group is None:
             raise RuntimeError(
                 f"Engram peer group {self.spec.generation}: lookup before the group was "
                 f"joined (tables loaded: {sorted(self.loaded)} of {list(self.layout.layer_ids)})")
-        return self._reader.lookup(layer_id, row_ids, out=out)
+        return self._reader.readers[layer_id]
+
+    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str) -> torch.Tensor:
+        """Rows of `row_ids` in a new output ("packed" or "bf16"); the model writes into its
+        own buffer through `reader(layer_id)` instead."""
+        return self.reader(layer_id).lookup(row_ids, out)
 
 
 _SESSIONS: dict[tuple, GroupSession] = {}
@@ -188,6 +191,7 @@ def make_peer_embedding_class(base: type) -> type:
         engram_ray_patched = True
         is_peer_table = False
         _packed_table: torch.Tensor | None = None
+        _rows = None  # the table's engram_ray.table_lookup.TableLookup, once bound
 
         def __init__(self, num_embeddings: int, dim: int, head_sizes: tuple[int, ...],
                      block_size: int = 32, cpu_offload: bool = False,
@@ -258,20 +262,27 @@ def make_peer_embedding_class(base: type) -> type:
 
         def lookup(self, indices: torch.Tensor, out: torch.Tensor,
                    background: bool = False) -> None:
-            """indices `[T, n_hash_cols]` (-1 = no row) -> `out` bf16 `[T, C, dim]` or packed
-            uint8 rows; peers' rows are read in place by engram-ray's lookup kernel."""
-            if not (self.is_peer_table or self._packed_table is not None):
-                return super().lookup(indices, out, background)
-            if indices.shape[0] == 0:
-                return
-            kind = "bf16" if out.dtype == torch.bfloat16 else "packed"
+            """indices int32/int64 `[T, n_hash_cols]` (-1 = no row; vLLM passes one layer's
+            columns of its `[T, L, C]` hashes) -> `out` bf16 `[T, C, dim]` or packed uint8
+            rows, written in place by the table's `TableLookup` (peers' rows read in place).
+            `background` (vLLM's half-grid for side-stream host prefetches) is not used: the
+            tile policy sizes the grid."""
+            rows = self._rows
+            if rows is None:
+                if not (self.is_peer_table or self._packed_table is not None):
+                    return super().lookup(indices, out, background)
+                rows = self._bind_rows()
+            rows(indices, out)
+
+        def _bind_rows(self):
+            """This table's `TableLookup`, made once (peer tables: once the group is joined)."""
             if self.is_peer_table:
-                rows = self.session.lookup(self.layer_id, indices.to(torch.int64), kind)
+                rows = self.session.reader(self.layer_id)
             else:
-                from engram_ray.kernels.lookup import engram_lookup
-                rows = engram_lookup(indices, head_dim=self.dim, table=self._packed_table,
-                                     out=kind, out_device=indices.device)
-            out.copy_(rows.view(out.shape))
+                from engram_ray.table_lookup import TableLookup
+                rows = TableLookup(self.dim, table=self._packed_table)
+            self._rows = rows
+            return rows
 
         def forward(self, indices: torch.Tensor) -> torch.Tensor:
             if not self.is_peer_table:

@@ -18,9 +18,9 @@ import re
 import torch
 
 from engram_ray.layout import EngramLayout
-from engram_ray.metrics import metered_lookup
+from engram_ray.lookup_meter import LookupMeter
 from engram_ray.models.peer_settings import PeerGroupSettings
-from engram_ray.reference import lookup_reference
+from engram_ray.table_lookup import TableLookup
 
 # Under vLLM's logger, whose handler vLLM configures in every engine process.
 logger = logging.getLogger("vllm.engram_ray.tables")
@@ -45,6 +45,8 @@ class HostTables:
         self.tables = {layer_id: torch.zeros(rows, layout.row_bytes, dtype=torch.uint8,
                                              device=device)
                        for layer_id, rows in zip(layout.layer_ids, layout.rows_per_table)}
+        self.readers = {layer_id: TableLookup(layout.head_dim, table=table)
+                        for layer_id, table in self.tables.items()}
 
     def load_checkpoint_tensor(self, name: str, weight: torch.Tensor) -> None:
         layer_id, kind = parse_table_tensor(name)
@@ -57,53 +59,49 @@ class HostTables:
                              f"{tuple(table[:, columns].shape)} from config.json")
         table[:, columns] = raw.to(table.device)
 
-    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16") -> torch.Tensor:
-        """int64 `[T, C]` -> bf16 `[T, C, head_dim]` (or packed uint8 `[T, C, row_bytes]`)."""
-        table = self.tables[layer_id]
-        if table.is_cuda:
-            from engram_ray.kernels.lookup import engram_lookup
-            return engram_lookup(row_ids, head_dim=self.layout.head_dim, table=table, out=out)
-        return lookup_reference(table, row_ids, self.layout.head_dim, out)
+    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16",
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """int32/int64 `[T, C]` -> bf16 `[T, C, head_dim]` (or packed uint8
+        `[T, C, row_bytes]`), written into `into` when given (`TableLookup.lookup`)."""
+        return self.readers[layer_id].lookup(row_ids, out, into)
 
     def close(self) -> None:
-        self.tables = {}
+        self.tables, self.readers = {}, {}
 
 
 class GroupTables:
     """This engine's slices of a peer group (`engram_ray.table.PeerGroupTables`).
 
     With `metrics` (the Serve app's model-process endpoint), lookups are timed and their
-    local/remote rows counted: every lookup on CPU, one in `GPU_METRICS_SAMPLE_EVERY` on GPU,
-    where timing needs a device sync, and never inside a CUDA-graph capture.
+    local/remote rows counted by one `engram_ray.lookup_meter.LookupMeter` per table: every
+    lookup on CPU, one in `GPU_SAMPLE_EVERY` on GPU through CUDA events (no device sync), and
+    never inside a CUDA-graph capture.
     """
-
-    GPU_METRICS_SAMPLE_EVERY = 64
 
     def __init__(self, group_tables, metrics=None):
         self.group = group_tables
         self.metrics = metrics
-        self.num_lookups = 0
+        self.readers = {}
+        for layer_id, table in group_tables.tables.items():
+            reader = table.reader
+            if metrics is not None:
+                reader.meter = LookupMeter(metrics, layer_id, table.rows_per_rank,
+                                           group_tables.spec.rank)
+            self.readers[layer_id] = reader
 
     def load_checkpoint_tensor(self, name: str, weight: torch.Tensor) -> None:
         # This rank's rows were read from the checkpoint before the rendezvous; peers may be
         # reading them already, so weight loading must not write them again.
         parse_table_tensor(name)
 
-    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16") -> torch.Tensor:
-        self.num_lookups += 1
-        if not self._is_metered(row_ids):
-            return self.group.lookup(layer_id, row_ids, out=out)
-        return metered_lookup(self.metrics, self.group, layer_id, row_ids, out)
-
-    def _is_metered(self, row_ids: torch.Tensor) -> bool:
-        if self.metrics is None:
-            return False
-        if not row_ids.is_cuda:
-            return True
-        return (self.num_lookups % self.GPU_METRICS_SAMPLE_EVERY == 0
-                and not torch.cuda.is_current_stream_capturing())
+    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "bf16",
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        if layer_id not in self.readers:
+            self.group.layout.layer_idx(layer_id)  # raises, naming the layers with tables
+        return self.readers[layer_id].lookup(row_ids, out, into)
 
     def close(self) -> None:
+        self.readers = {}
         self.group.close()
 
 

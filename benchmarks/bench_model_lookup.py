@@ -1,0 +1,212 @@
+"""The Engram lookup as vLLM's model calls it, side by side with vLLM 0.33's own kernel.
+
+Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 24 columns):
+- `vllm`: vLLM 0.33's `_engram_lookup_kernel` launched as `ParallelEngramEmbedding.lookup`
+  does (benchmarks/vllm_engram_ref.py; its own table layout); host tables also `vllm_sorted`
+  (its GB200 path) and `vllm_ms` is the faster of the two;
+- `kernel`: engram-ray's kernel alone, `engram_lookup(ids, into=out)` on contiguous ids;
+- `patch`: `engram_ray.table_lookup.TableLookup`, the function the DeepSeek patch calls, on
+  int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer.
+Modes: `gpu` (device events per launch, launches queued behind a sleep kernel, L2 flushed),
+`eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock);
+id sets rotate so no launch rereads a recent one's rows (benchmarks/lookup_timing.py). Host
+time per call: mean over back-to-back calls while the GPU is held by a sleep kernel.
+Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run.
+
+Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import model_lookup_report as report  # noqa: E402
+import vllm_engram_ref  # noqa: E402
+from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
+from engram_ray.table_lookup import TableLookup  # noqa: E402
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # noqa: E402
+                           num_id_sets, stats, time_launches)
+
+TOKENS = [64, 683, 2731, 10923, 43691, 65536]  # 1.5K, 16K, 65K, 262K, 1M, 1.57M rows
+NUM_LAYERS = 2
+WIDTH = {"packed": ROW_BYTES, "bf16": HEAD_DIM}
+DTYPE = {"packed": torch.uint8, "bf16": torch.bfloat16}
+
+
+class Case:
+    """One placement's tables (ours packed, vLLM's layout) and the callables over them."""
+
+    def __init__(self, placement: str, packed_gpu: torch.Tensor, vllm_kernel, num_sms: int):
+        self.placement = placement
+        if placement == "peer":
+            half = packed_gpu.shape[0] // 4 * 2  # even: slices start 16-byte aligned
+            parts = [packed_gpu[:half], packed_gpu[half:2 * half]]
+            bases = torch.tensor([p.data_ptr() for p in parts], device="cuda:0")
+            self.source = dict(peer_bases=bases, rows_per_rank=half)
+            self.num_rows = 2 * half
+        else:
+            parts = [packed_gpu]
+            table = packed_gpu
+            if placement == "host":
+                from engram_ray.host_memory import allocate_host_table
+                table = allocate_host_table(packed_gpu.numel()).view(-1, ROW_BYTES)
+                table.copy_(packed_gpu)
+            self.source = dict(table=table)
+            self.num_rows = packed_gpu.shape[0]
+        self.vllm = vllm_engram_ref.VllmTable(vllm_kernel, parts, HEAD_DIM, placement, num_sms)
+        self.patch = TableLookup(HEAD_DIM, **self.source)
+        torch.cuda.synchronize()
+
+    def callables(self, id_sets: list[torch.Tensor], out_kind: str) -> dict:
+        """name -> fn(hashes [T, 2, C] int32, out), each reading layer 1's columns; `kernel`
+        gets contiguous ids, made before timing for the id sets of the loop."""
+        contiguous = {id(h): h[:, 1].contiguous() for h in id_sets}
+
+        def kernel(hashes, out):
+            ids = contiguous.get(id(hashes))
+            ids = hashes[:, 1].contiguous() if ids is None else ids
+            return engram_lookup(ids, head_dim=HEAD_DIM, out=out_kind, into=out, **self.source)
+
+        fns = {"vllm": lambda h, o: self.vllm.lookup(h[:, 1], o), "kernel": kernel,
+               "patch": lambda h, o: self.patch(h[:, 1], o)}
+        if self.placement == "host":
+            fns["vllm_sorted"] = lambda h, o: self.vllm.lookup(h[:, 1], o, sort=True)
+        return fns
+
+    def id_sets(self, tokens: int, seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator(device="cuda:0").manual_seed(seed)
+        return [torch.randint(0, self.num_rows, (tokens, NUM_LAYERS, NUM_COLS), generator=gen,
+                              device="cuda:0", dtype=torch.int32)
+                for _ in range(num_id_sets(tokens * NUM_COLS))]
+
+
+def bitwise_equal(case, fns, tokens, out_kind) -> bool:
+    hashes = case.id_sets(tokens, seed=99)[0]
+    flat = hashes[:, 1].reshape(-1)
+    flat[::97] = -1  # vLLM's DEAD_ID rows: zeros from both
+    hashes[:, 1].copy_(flat.view(tokens, NUM_COLS))
+    outs = {}
+    for name, fn in fns.items():
+        outs[name] = torch.empty(tokens, NUM_COLS, WIDTH[out_kind], dtype=DTYPE[out_kind],
+                                 device="cuda:0")
+        outs[name].view(torch.uint8).fill_(0xA5)
+        fn(hashes, outs[name])
+    torch.cuda.synchronize()
+    first = outs["vllm"].view(torch.uint8)
+    return all(torch.equal(first, o.view(torch.uint8)) for o in outs.values())
+
+
+def time_modes(fns, id_sets, out, budget_s: float) -> dict:
+    """{mode: {name: stats}} for gpu, eager and graph."""
+    found = {"gpu": {}, "eager": {}, "graph": {}}
+    for name, fn in fns.items():
+        found["gpu"][name] = stats(time_launches(
+            lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s))
+        found["eager"][name] = stats(time_launches(
+            lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s, wall=True))
+        graphs = capture(fn, id_sets, out)
+        found["graph"][name] = stats(time_launches(
+            lambda i: graphs[i % len(graphs)].replay(), budget_s=budget_s, wall=True))
+    return found
+
+
+def capture(fn, id_sets, out) -> list:
+    """One CUDA graph per id set (a graph's ids are fixed), warmed up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for hashes in id_sets[:2]:
+            fn(hashes, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs = []
+    for hashes in id_sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(hashes, out)
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    return graphs
+
+
+def host_us(fns, id_sets, out) -> dict:
+    """Host microseconds per call, back to back (best of 3 rounds), the GPU held by a sleep
+    kernel meanwhile so launches only queue."""
+    calls = 200 if out.shape[0] * out.shape[1] < 100_000 else 10
+    found = {}
+    for name, fn in fns.items():
+        for hashes in id_sets[:2]:
+            fn(hashes, out)  # warm: compiled, prepared
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda._sleep(int(2e9 * 0.05))
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(id_sets[i % len(id_sets)], out)
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+        found[name] = best
+    return found
+
+
+def run(args) -> dict:
+    torch.cuda.set_device(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernel = vllm_engram_ref.load_kernel()
+    hbm_rows = args.hbm_gib * GIB // ROW_BYTES
+    packed = torch.empty(hbm_rows, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
+    fill_random(packed, seed=1)
+    tokens = TOKENS[:3:2] + TOKENS[-1:] if args.quick else TOKENS
+    cases, host = [], []
+    for placement in ("hbm", "peer", "host"):
+        source = packed if placement != "host" else packed[:args.host_gib * GIB // ROW_BYTES]
+        case = Case(placement, source, kernel, num_sms)
+        for out_kind in ("bf16", "packed"):
+            for num_tokens in tokens:
+                id_sets = case.id_sets(num_tokens, seed=num_tokens)
+                fns = case.callables(id_sets, out_kind)
+                out = torch.empty(num_tokens, NUM_COLS, WIDTH[out_kind], dtype=DTYPE[out_kind],
+                                  device="cuda:0")
+                equal = bitwise_equal(case, fns, num_tokens, out_kind)
+                timed = time_modes(fns, id_sets, out, args.budget_s)
+                cases.extend(report.case_rows(placement, out_kind, num_tokens * NUM_COLS,
+                                              timed, equal))
+                if num_tokens in (64, 2731, 65536):
+                    host.append(dict(placement=placement, out=out_kind,
+                                     rows=num_tokens * NUM_COLS,
+                                     **host_us(fns, id_sets, out)))
+                print(json.dumps(cases[-1]), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return report.finish(cases, host, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--md", required=True)
+    parser.add_argument("--hbm-gib", type=int, default=16)
+    parser.add_argument("--host-gib", type=int, default=8)
+    parser.add_argument("--budget-s", type=float, default=0.1)
+    parser.add_argument("--quick", action="store_true", help="3 sizes")
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--history", help="results/model_lookup/ folder (latest.md, history)")
+    args = parser.parse_args()
+    result = run(args)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    Path(args.md).write_text(report.markdown(result))
+    if args.history:
+        report.append_history(result, Path(args.history))
+    print(report.summary(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The lookup as vLLM's model calls it, on a lent GPU machine (the `run` device tool), from the
+# repository root, carrying `.vllm_ref` (vLLM 0.33.0's engram.py, never committed; here:
+#   pip download --no-deps vllm==0.33.0 -d .tmp/vllm033
+#   unzip -o -j .tmp/vllm033/vllm-0.33.0*.whl 'vllm/models/deepseek_v41/common/engram.py' -d .vllm_ref/
+# with /.vllm_ref/ in .git/info/exclude). Runs the model-lookup GPU tests, a quick pass of the
+# kernel's tests (no regression) and benchmarks/bench_model_lookup.py. Lands in $OUT:
+# env.txt pytest.log bench.log bench.json bench.md.
+# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_model_lookup.sh [--quick]
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+
+t0=$SECONDS
+timeout 150 python3 -m pytest tests/gpu/test_model_lookup.py -q -p no:cacheprovider -x -rfEs \
+    > "$OUT/pytest.log" 2>&1
+echo "model lookup tests rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
+t0=$SECONDS
+timeout 100 python3 -m pytest tests/gpu/test_lookup.py -q -p no:cacheprovider -rfEs \
+    -k "test_hbm or test_peer_slices_one_gpu or narrow" >> "$OUT/pytest.log" 2>&1
+echo "kernel tests rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
+
+t0=$SECONDS
+timeout ${BENCH_TIMEOUT_S:-300} python3 benchmarks/bench_model_lookup.py --json "$OUT/bench.json" \
+    --md "$OUT/bench.md" --commit "${ENGRAM_COMMIT:-unknown}" "$@" > "$OUT/bench.log" 2>&1
+echo "bench rc=$? in $((SECONDS - t0)) s"
+tail -6 "$OUT/bench.log"

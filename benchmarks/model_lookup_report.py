@@ -1,0 +1,123 @@
+"""Rows, targets and tables of benchmarks/bench_model_lookup.py (pure Python).
+
+Targets (issue 17), printed as pass/fail: in every case `vllm_ms / patch_ms >= 1` (host
+tables: `vllm_ms` is the faster of vLLM's unsorted and sorted launches); HBM lookups of at
+least 1M rows, GPU time and eager: `patch_ms <= 1.03 x kernel_ms`; host time per call of the
+patch path at most 20 us.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+MODES = ("gpu", "eager", "graph")
+HOST_US_MAX = 20.0
+PATCH_OVER_KERNEL_MAX = 1.03
+
+
+def case_rows(placement: str, out: str, rows: int, timed: dict, equal: bool) -> list[dict]:
+    """One JSON case per mode from `{mode: {name: stats}}`."""
+    found = []
+    for mode in MODES:
+        median = {name: s["median_ms"] for name, s in timed[mode].items()}
+        row = dict(placement=placement, out=out, rows=rows, mode=mode,
+                   vllm_ms=min(median["vllm"], median.get("vllm_sorted", float("inf"))),
+                   kernel_ms=median["kernel"], patch_ms=median["patch"],
+                   bitwise_equal_vllm=bool(equal),
+                   p99_ms={name: s["p99_ms"] for name, s in timed[mode].items()})
+        if "vllm_sorted" in median:
+            row.update(vllm_unsorted_ms=median["vllm"], vllm_sorted_ms=median["vllm_sorted"])
+        found.append(row)
+    return found
+
+
+def check_targets(cases: list[dict], host_us: dict) -> list[dict]:
+    """Each target with pass/fail and its worst case."""
+    slowest = min(cases, key=lambda c: c["vllm_ms"] / c["patch_ms"])
+    big_hbm = [c for c in cases if c["placement"] == "hbm" and c["rows"] >= 1 << 20
+               and c["mode"] in ("gpu", "eager")]
+    worst_hbm = max(big_hbm, key=lambda c: c["patch_ms"] / c["kernel_ms"], default=None)
+    equal = all(c["bitwise_equal_vllm"] for c in cases)
+    return [
+        dict(target="patch no slower than vLLM 0.33 (every case)",
+             passed=slowest["vllm_ms"] / slowest["patch_ms"] >= 1.0,
+             worst=_label(slowest), value=round(slowest["vllm_ms"] / slowest["patch_ms"], 3)),
+        dict(target="HBM >= 1M rows, gpu + eager: patch within 3% of the kernel alone",
+             passed=worst_hbm is not None
+             and worst_hbm["patch_ms"] <= PATCH_OVER_KERNEL_MAX * worst_hbm["kernel_ms"],
+             worst=_label(worst_hbm) if worst_hbm else None,
+             value=round(worst_hbm["patch_ms"] / worst_hbm["kernel_ms"], 3) if worst_hbm
+             else None),
+        dict(target="host time per call of the patch path <= 20 us", passed=host_us["patch"]
+             <= HOST_US_MAX, worst=None, value=round(host_us["patch"], 1)),
+        dict(target="outputs bitwise equal to vLLM's", passed=equal, worst=None, value=equal),
+    ]
+
+
+def _label(case: dict) -> str:
+    return f"{case['placement']} {case['out']} {case['rows']} rows {case['mode']}"
+
+
+def finish(cases: list[dict], host: list[dict], args) -> dict:
+    import subprocess
+
+    import torch
+    host_us = {name: max(h[name] for h in host) for name in ("vllm", "kernel", "patch")}
+    return dict(cases=cases, host_us=host_us, host_us_cases=host,
+                targets=check_targets(cases, host_us),
+                device=torch.cuda.get_device_name(0),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                commit=args.commit, torch=torch.__version__,
+                triton=subprocess.run(["python3", "-c", "import triton; print(triton.__version__)"],
+                                      capture_output=True, text=True).stdout.strip(),
+                hbm_gib=args.hbm_gib, host_gib=args.host_gib, budget_s=args.budget_s)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Engram lookup as the model calls it vs vLLM 0.33 ({result['device']})", "",
+             f"{result['date']}, commit {result['commit']}, torch {result['torch']}, Triton "
+             f"{result['triton']}; tables: HBM and peer {result['hbm_gib']} GiB (peer: two "
+             f"slices on one GPU), pinned host {result['host_gib']} GiB; 24 columns per token, "
+             "uniform random ids. Medians in ms; `x` = vLLM / patch. Host tables: vLLM = "
+             "faster of unsorted / sorted (both in the JSON). gpu = device events, launches "
+             "queued; eager = one call + sync (host clock); graph = CUDA-graph replay + sync.",
+             "", "| placement | out | rows | mode | vLLM 0.33 | kernel alone | patch | x | "
+             "patch / kernel | bitwise = vLLM |", "| --- | --- | ---: | --- | ---: | ---: | "
+             "---: | ---: | ---: | --- |"]
+    for c in result["cases"]:
+        lines.append(f"| {c['placement']} | {c['out']} | {c['rows']:,} | {c['mode']} | "
+                     f"{c['vllm_ms']:.4f} | {c['kernel_ms']:.4f} | {c['patch_ms']:.4f} | "
+                     f"{c['vllm_ms'] / c['patch_ms']:.2f} | {c['patch_ms'] / c['kernel_ms']:.3f}"
+                     f" | {'yes' if c['bitwise_equal_vllm'] else 'NO'} |")
+    lines += ["", "Host time per call (us; back to back, GPU held by a sleep kernel):", "",
+              "| placement | out | rows | vLLM 0.33 | kernel alone | patch |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for h in result["host_us_cases"]:
+        lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {h['vllm']:.1f} | "
+                     f"{h['kernel']:.1f} | {h['patch']:.1f} |")
+    lines += ["", "Targets:", ""]
+    for t in result["targets"]:
+        worst = f" (worst: {t['worst']})" if t["worst"] else ""
+        lines.append(f"- {'PASS' if t['passed'] else 'FAIL'}: {t['target']}: {t['value']}{worst}")
+    return "\n".join(lines) + "\n"
+
+
+def summary(result: dict) -> str:
+    text = [f"host_us {json.dumps({k: round(v, 1) for k, v in result['host_us'].items()})}"]
+    text += [f"{'PASS' if t['passed'] else 'FAIL'} {t['target']}: {t['value']} {t['worst'] or ''}"
+             for t in result["targets"]]
+    return "\n".join(text)
+
+
+def append_history(result: dict, folder: Path) -> None:
+    """STYLE rule 14: latest.md and one history.jsonl line per run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "latest.md").write_text(markdown(result))
+    line = {k: result[k] for k in ("device", "date", "commit", "host_us", "targets")}
+    line["cases"] = [{k: c[k] for k in ("placement", "out", "rows", "mode", "vllm_ms",
+                                        "kernel_ms", "patch_ms", "bitwise_equal_vllm")}
+                     for c in result["cases"]]
+    with open(folder / "history.jsonl", "a") as history:
+        history.write(json.dumps(line) + "\n")

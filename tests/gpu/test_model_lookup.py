@@ -1,0 +1,135 @@
+"""The lookup as vLLM's model calls it (`engram_ray.table_lookup.TableLookup`, what the
+DeepSeek-V4.1 patch runs): int32 hashes as one layer's column slice of `[T, L, C]`, rows
+written into a persistent staging buffer; bit for bit against the torch reference.
+
+- captured in a CUDA graph and replayed on new hashes (HBM, peer slices on one GPU, pinned
+  host: unsorted and, past `SORT_MIN_ROWS`, sorted);
+- the direct launches of the compiled kernel (after the first JIT launch of each entry);
+- lookup metrics sampled without a device sync.
+"""
+
+import pytest
+import torch
+
+from engram_ray.reference import lookup_reference
+from lookup_support import HEAD_DIM, NUM_ROWS, ROWS_PER_RANK, assert_bitwise, poisoned, random_ids
+
+pytestmark = pytest.mark.gpu
+
+NUM_LAYERS, NUM_COLS = 2, 24
+PLACEMENTS = ["hbm", "peer", "host"]
+# 1, 1.5K, 48K (host: sorted) and 65K looked-up rows
+TOKENS = [1, 64, 2000, 2731]
+
+
+def _reader(placement, hbm_table, host_table, meter=None):
+    from engram_ray.table_lookup import TableLookup
+    if placement == "peer":
+        slices = list(hbm_table.split(ROWS_PER_RANK))
+        bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
+        return TableLookup(HEAD_DIM, peer_bases=bases, rows_per_rank=ROWS_PER_RANK, meter=meter)
+    table = hbm_table if placement == "hbm" else host_table
+    return TableLookup(HEAD_DIM, table=table, meter=meter)
+
+
+def _fill_hashes(hashes, layer_idx, seed):
+    """vLLM's hashes buffer `[T, L, C]` int32: layer `layer_idx` gets fresh random ids."""
+    ids = random_ids((hashes.shape[0], NUM_COLS), seed)
+    hashes[:, layer_idx].copy_(ids)
+    hashes[:, 1 - layer_idx].fill_(NUM_ROWS + 7)  # the other layer's ids: never read here
+    return ids
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("out", ["bf16", "packed"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_graph_replay_on_new_hashes(hbm_table, host_table, placement, out, tokens):
+    reader = _reader(placement, hbm_table, host_table)
+    hashes = torch.empty(tokens, NUM_LAYERS, NUM_COLS, dtype=torch.int32, device="cuda:0")
+    staged = poisoned((tokens, NUM_COLS), out)
+    view = hashes[:, 1]
+    assert not view.is_contiguous() or tokens == 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compile, prepare, first direct launch
+        for seed in range(3):
+            ids = _fill_hashes(hashes, 1, seed)
+            reader(view, staged)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, out))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reader(view, staged)
+    for seed in range(10, 13):
+        ids = _fill_hashes(hashes, 1, seed)
+        staged.view(torch.uint8).fill_(0xA5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, out))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_direct_launches_match_the_reference(hbm_table, host_table, placement):
+    """Every entry key a model meets (ids int32/int64, contiguous/a view, both outputs, 16-byte
+    aligned or not, small and large lookups): the second call of each launches the compiled
+    kernel directly, and both calls are bit-exact."""
+    reader = _reader(placement, hbm_table, host_table)
+    cases = [(t, d, v, o, s) for t in (1, 17, 2731, 43691) for d in (torch.int32, torch.int64)
+             for v in (False, True) for o in ("bf16", "packed") for s in (0, 1)]
+    for seed, (tokens, dtype, is_view, out, shift) in enumerate(cases):
+        num_ids = tokens * NUM_LAYERS * NUM_COLS
+        hashes = torch.empty(shift + num_ids, dtype=dtype, device="cuda:0")[shift:].view(
+            tokens, NUM_LAYERS, NUM_COLS)  # shift: ids start 4 or 8 bytes past 16
+        flat = torch.empty(shift + tokens * NUM_COLS, dtype=dtype, device="cuda:0")
+        width = poisoned((1, 1), out).shape[-1]
+        rows = poisoned((shift + tokens * NUM_COLS, 1), out).view(-1, width)
+        staged = rows[shift:].view(tokens, NUM_COLS, width)  # packed + shift: 8 bytes past 16
+        for call in range(2):
+            ids = _fill_hashes(hashes, 0, 1000 * seed + call)
+            if is_view:
+                given = hashes[:, 0]
+            else:
+                given = flat[shift:].view(tokens, NUM_COLS)
+                given.copy_(ids)
+            staged.view(torch.uint8).fill_(0xA5)
+            assert reader(given, staged) is staged
+            torch.cuda.synchronize()
+            assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, out))
+    launches = reader._read._launches
+    assert launches and all(launch.run is not None for launch in launches.values())
+
+
+def test_metered_lookups_do_not_wait_for_the_gpu(hbm_table, host_table, monkeypatch):
+    """A sampled lookup records events and device-side counts: the host returns while the GPU
+    is still busy; the samples are published once their events completed (scrape / drain)."""
+    from engram_ray.lookup_meter import LookupMeter
+    from engram_ray.metrics import EngineIdentity, EngineMetrics
+
+    metrics = EngineMetrics(EngineIdentity("m", "e", "g", 0))
+    meter = LookupMeter(metrics, 1, ROWS_PER_RANK, rank=0, gpu_sample_every=2)
+    reader = _reader("peer", hbm_table, host_table, meter=meter)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronized"))
+    hashes = torch.empty(4096, NUM_LAYERS, NUM_COLS, dtype=torch.int32, device="cuda:0")
+    ids = _fill_hashes(hashes, 0, 7)
+    staged = poisoned((4096, NUM_COLS), "bf16")
+    for _ in range(4):
+        reader(hashes[:, 0], staged)  # warm-up; samples 2 and 4 are metered
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued ahead
+    busy = torch.cuda.Event()
+    reader(hashes[:, 0], staged)
+    reader(hashes[:, 0], staged)  # sampled
+    busy.record()
+    assert not busy.query(), "the metered lookup waited for the GPU"
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    meter.drain()
+    metrics.registry.collect()
+    samples = metrics.lookup_seconds.collect()[0].samples
+    count = sum(s.value for s in samples if s.name.endswith("_count"))
+    assert count == 3
+    valid = int((ids >= 0).sum())
+    local = int(((ids >= 0) & (ids < ROWS_PER_RANK)).sum())
+    rows = {s.labels["rows"]: s.value for s in metrics.rows_total.collect()[0].samples
+            if s.name.endswith("_total")}
+    assert rows == {"local": 3 * local, "remote": 3 * (valid - local)}
