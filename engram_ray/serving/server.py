@@ -170,7 +170,10 @@ class EngramServerMixin:
         watch = getattr(self, "_engine_watch", None)
         if watch is None:  # failed before its engine started
             return None
+        if getattr(self, "_death", None) is not None:  # Serve checks a few times before it
+            return self._death                          # stops the replica: one report
         death = watch.find(phase, getattr(getattr(self, "engine", None), "_engine_client", None))
+        self._death = death
         if death is not None:
             logger.error("engram-ray: %s", death.line())
             watch.report(death)
