@@ -100,18 +100,32 @@ class _Launch:
     """The decisions for one entry key, and the compiled kernel once Triton's JIT found it."""
 
     __slots__ = ("block_rows", "max_programs", "num_warps", "is_sorted", "constexprs",
-                 "run", "function", "metadata")
+                 "direct", "direct_args")
 
     def __init__(self, block_rows, max_programs, num_warps, is_sorted, constexprs):
         self.block_rows, self.max_programs, self.num_warps = block_rows, max_programs, num_warps
         self.is_sorted, self.constexprs = is_sorted, constexprs
-        self.run = self.function = self.metadata = None
+        self.direct = self.direct_args = None
 
     def adopt(self, compiled) -> None:
-        """Keep what a direct launch needs, if Triton returned a compiled kernel."""
-        if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
-            self.run = compiled.run  # the launcher; loads the module on first access
-            self.function, self.metadata = compiled.function, compiled.packed_metadata
+        """Keep what a direct launch needs, if Triton returned a compiled kernel: the call
+        `direct(grid, 1, 1, stream, *direct_args, *kernel_args)` is the one Triton's JIT makes
+        (`kernel.run(..., function, packed_metadata, launch_metadata, enter_hook, exit_hook,
+        *args)`, no hooks), or, where the launcher needs no scratch memory, the C launch it
+        wraps (`launch(..., function, cooperative, pdl, scratch, profile_scratch, ...)`)."""
+        if not all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            return
+        run = compiled.run  # the launcher; loads the module on first access
+        tail = (compiled.packed_metadata, None, None, None)
+        if (getattr(run, "global_scratch_size", 1) == 0
+                and getattr(run, "profile_scratch_size", 1) == 0
+                and callable(getattr(run, "launch", None))
+                and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+            self.direct = run.launch
+            self.direct_args = (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                                None, None, *tail)
+        else:
+            self.direct, self.direct_args = run, (compiled.function, *tail)
 
 
 class LookupLauncher:
@@ -138,7 +152,9 @@ class LookupLauncher:
         self.table, self.peer_bases = table, peer_bases
         self.rows_per_rank = rows_per_rank or 1
         self.device = device or self._default_device()
-        self._device_index = self.device.index if self.device.type == "cuda" else None
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._options = dict(block_rows=block_rows, programs_per_sm=programs_per_sm,
                              num_warps=num_warps, prefetch=prefetch, sort_rows=sort_rows)
         self._num_sms = _num_sms(self.device)
@@ -146,10 +162,11 @@ class LookupLauncher:
         self._sort_min_rows = SORT_MIN_ROWS[self.placement]
         self._launches: dict[tuple, _Launch] = {}
         self._hooks = _launch_hooks()
-        self._stream = None
-        if self._device_index is not None:
+        self._stream = self._current_device = None
+        if self.device.type == "cuda":
             from triton.runtime import driver
             self._stream = driver.active.get_current_stream
+            self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
     def _default_device(self) -> torch.device:
         for tensor in (self.peer_bases, self.table):
@@ -182,16 +199,16 @@ class LookupLauncher:
             else:
                 row_ids = row_ids.contiguous()
         large_min, large_max = self._large_rows
-        key = (large_min <= num_rows < large_max, num_rows >= self._sort_min_rows, out.dtype,
+        out_dtype = out.dtype
+        key = (large_min <= num_rows < large_max, num_rows >= self._sort_min_rows, out_dtype,
                row_ids.dtype, ids_cols, row_ids.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
         launch = self._launches.get(key)
         if launch is None:
             launch = self._prepare(key, num_rows, row_ids, out)
-        width = self.row_bytes if out.dtype == torch.uint8 else self.head_dim
+        width = self.row_bytes if out_dtype == torch.uint8 else self.head_dim
         device_index = out.get_device()
         if (out.numel() != num_rows * width or not out.is_contiguous()
-                or device_index != row_ids.get_device()
-                or device_index != (-1 if self._device_index is None else self._device_index)):
+                or device_index != self._device_index or row_ids.get_device() != device_index):
             raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device} for ids "
                              f"{tuple(row_ids.shape)} on {row_ids.device}; expected a contiguous "
                              f"{tuple(row_ids.shape) + (width,)} output and ids on {self.device}")
@@ -202,10 +219,10 @@ class LookupLauncher:
         num_programs = min(-(-num_rows // launch.block_rows), launch.max_programs)
         args = (self.src, ids, dst_rows, out, num_rows, self.rows_per_rank, num_programs,
                 ids_stride, *launch.constexprs)
-        if (launch.run is not None and not self._hooks
-                and torch.cuda.current_device() == device_index):
-            launch.run(num_programs, 1, 1, self._stream(device_index), launch.function,
-                       launch.metadata, None, None, None, *args)
+        if (launch.direct is not None and not self._hooks
+                and self._current_device() == device_index):
+            launch.direct(num_programs, 1, 1, self._stream(device_index), *launch.direct_args,
+                          *args)
         elif not self._launch_jit(launch, args, num_programs):
             return self(row_ids, out)  # the table is now read as a one-rank peer table
         return out
@@ -214,7 +231,7 @@ class LookupLauncher:
         """Launch through Triton's JIT (compiling on first use) and keep the compiled kernel.
         False if Triton refused the pinned host table's pointer: the launcher then reads it as
         a one-rank peer table at its UVA address, and the call must be repeated."""
-        is_cuda = self._device_index is not None
+        is_cuda = self.device.type == "cuda"
         try:
             with torch.cuda.device(self._device_index) if is_cuda else contextlib.nullcontext():
                 compiled = _engram_lookup_kernel[(num_programs,)](*args,

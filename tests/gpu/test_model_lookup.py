@@ -97,7 +97,7 @@ def test_direct_launches_match_the_reference(hbm_table, host_table, placement):
             torch.cuda.synchronize()
             assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, out))
     launches = reader._read._launches
-    assert launches and all(launch.run is not None for launch in launches.values())
+    assert launches and all(launch.direct is not None for launch in launches.values())
 
 
 def test_metered_lookups_do_not_wait_for_the_gpu(hbm_table, host_table, monkeypatch):
