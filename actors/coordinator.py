@@ -1,220 +1,147 @@
-"""`CoordinatorActor`: one per peer group. Starts its engines, hands out generations, watches.
+"""`Coordinator`: the per-group bookkeeping of one Serve application, in one named actor
+(`engram-coordinator-<deployment name>`, namespace `engram`, on the head node).
 
-A generation is one life of the group: a fresh id and store folder (0700), one assignment per
-engine (rank + slices from `engram_ray.assignment`), every engine told to build, and the group
-`ready` once all report ready. Lookups never pass through here.
+Serve's gang scheduling owns what this actor did before: placing a group (one gang per group,
+`actors/placement.py`), ranks and world size (`gang_context`), noticing a dead member and
+restarting the group as one (RESTART_GANG). What is left is here, held for every group of the
+application (`engram_ray.generations.GenerationBook`): the generation of each group (a new gang
+id opens one: fresh FileStore folder, old one removed), each member's slices, and the list of
+every engine's /metrics for Prometheus.
 
-The watch thread pings every engine each `health_check_interval_s`. A dead engine (or one
-that misses `max_missed_pings`, or reports itself failed) makes the group `restarting`: the
-survivors drop their tables and peer mappings, the dead engine is recreated in the same
-bundle, a new generation is built, and the old generation's store folder is removed.
-Engines are detached actors so that they outlive a dead coordinator long enough to notice
-it and stop serving (`actors/engine.py`); `shutdown` (or `Deployment.shutdown`) removes them.
+Created by `engram_ray.serve.build_app` before the engines (detached: a `serve deploy` build
+task ends, the application stays). One left by an earlier deployment of the same name is reused
+when it was made with the same settings and groups, replaced when it differs and has no
+members, refused (with what to do) when it differs and still has members.
 """
 
 from __future__ import annotations
 
-import secrets
+import logging
 import threading
 import time
 
 import ray
 
-from engram_ray.assignment import (create_store_dir, generation_id, generation_store_dir,
-                                   group_store_root, make_assignments, remove_store_dir)
-from engram_ray.config import DeploymentConfig
-from engram_ray.grouping import PeerGroupPlan
-from engram_ray.layout import EngramLayout
-from engram_ray.actors.engine import EngineActor, engine_name
-from engram_ray.actors.placement import engine_options
+from engram_ray.errors import EngramRayError
+from engram_ray.serving.exposition import write_file_sd
 
-STARTING, READY, RESTARTING, UNHEALTHY, FAILED, SHUT_DOWN = (
-    "starting", "ready", "restarting", "unhealthy", "failed", "shut_down")
-MAX_FAILED_GENERATIONS = 3  # in a row, before the group is left `failed`
-_BROKEN_MEMBER_STATES = ("failed", "stopped")
+logger = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
-class CoordinatorActor:
-    def __init__(self, config: DeploymentConfig, layout: EngramLayout, group: PeerGroupPlan,
-                 placement_group, engine_factory=None):
-        self.config, self.layout, self.group = config, layout, group
-        self.pg, self.engine_factory = placement_group, engine_factory
-        self.engines: list = [None] * group.size
-        self.reports: dict[int, dict] = {}
-        self.generation, self.generation_index, self.store_dir = None, 0, None
-        self.state, self.reason = STARTING, "not started"
-        self.num_restarts, self.num_failed_in_row = 0, 0
-        self.events: list[tuple[float, str]] = []
-        self._generation_lock = threading.Lock()
-        self._stop = threading.Event()
+def coordinator_name(deployment_name: str) -> str:
+    return f"engram-coordinator-{deployment_name}"
 
-    # --- life cycle -----------------------------------------------------------------------
 
-    def start(self) -> dict:
-        """Create the engines (one per bundle), build generation 1, start watching."""
-        self.reason = "creating engines and building generation 1"
-        for rank in range(self.group.size):
-            self.engines[rank] = self._create_engine(rank)
-        self._run_generation()
-        threading.Thread(target=self._watch, daemon=True, name="engram-group-watch").start()
-        return self.status()
+@ray.remote(num_cpus=0, max_concurrency=16)
+class Coordinator:
+    def __init__(self, app_config_dict: dict, domains: dict[str, str]):
+        from engram_ray.generations import GenerationBook
+        from engram_ray.layout import load_layout
+        from engram_ray.serving.config import ServeAppConfig
 
-    def _create_engine(self, rank: int):
-        me = ray.get_runtime_context().current_actor
-        # NOTES: detached, so the engine is not fate-shared with this coordinator: when the
-        # coordinator dies its engines must observe it and stop serving, not vanish mid-lookup.
-        # Named, so that `Deployment.restart_group` finds every engine of the group even when
-        # this coordinator is dead or stuck (`named_group_engines`).
-        name = engine_name(self.config.name, self.group.group_id, rank)
-        return EngineActor.options(lifetime="detached", name=name,
-                                   **engine_options(self.pg, rank, self.config)).remote(
-            self.layout, self.config, self.group.group_id, rank, me, self.engine_factory)
+        self.made_with = (app_config_dict, domains)
+        config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
+        self.targets_file = config.serving.prometheus_targets_file
+        self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
+                                   domains)
+        self.targets: dict[str, dict] = {}
+        self._lock = threading.Lock()
 
-    def _run_generation(self) -> None:
-        """Build a new generation on the current engines; `ready` or raise."""
-        with self._generation_lock:
-            old_store = self.store_dir
-            self.generation_index += 1
-            generation = generation_id(self.config.name, self.group.group_id,
-                                       self.generation_index, secrets.token_hex(3))
-            try:
-                store_dir = create_store_dir(generation_store_dir(
-                    self.config.peer_group_store, self.config.name, self.group.group_id,
-                    generation))
-            except Exception as exc:
-                self._note_failure(f"generation {generation} failed: {exc}")
-                raise
-            if old_store and old_store != store_dir:
-                remove_store_dir(old_store)  # survivors dropped their mappings already
-            self._log(f"generation {generation}: assigning {self.group.size} ranks")
-            self.generation, self.store_dir, self.reports = generation, store_dir, {}
-            assignments = make_assignments(self.layout, self.group.group_id, self.group.size,
-                                           generation, self.generation_index, store_dir)
-            refs = [engine.build.remote(a) for engine, a in zip(self.engines, assignments)]
-            try:
-                reports = ray.get(refs, timeout=self.config.rendezvous_timeout_s + 30)
-            except Exception as exc:
-                self._note_failure(f"generation {generation} failed: {exc}")
-                remove_store_dir(store_dir)
-                raise
-            self.reports = {r["rank"]: r for r in reports}
-            self.state, self.reason = READY, f"generation {generation} ready"
-            self.num_failed_in_row = 0
-            self._log(self.reason)
+    def describe(self) -> tuple[tuple, int]:
+        """(what it was made with, number of members of current generations)."""
+        with self._lock:
+            return self.made_with, self.book.num_members()
 
-    def _note_failure(self, reason: str) -> None:
-        """Unhealthy (the watch retries), or failed after MAX_FAILED_GENERATIONS in a row."""
-        self.state, self.reason = UNHEALTHY, reason
-        self.num_failed_in_row += 1
-        self._log(reason)
-        if self.num_failed_in_row >= MAX_FAILED_GENERATIONS:
-            self.state = FAILED
-            self._log(f"group failed: {self.num_failed_in_row} attempts in a row failed")
+    def join(self, group_id: str, gang_id: str, rank: int, world_size: int, replica_id: str,
+             node_labels: dict | None = None) -> dict:
+        with self._lock:
+            assignment = self.book.join(group_id, gang_id, rank, world_size, replica_id,
+                                        node_labels)
+            self._forget_ended_locked()
+            return assignment
 
-    def shutdown(self) -> None:
-        """Stop watching, kill the engines, remove every store folder of this group."""
-        self._stop.set()
-        with self._generation_lock:
-            for engine in self.engines:
-                _kill(engine)
-            self.state, self.reason = SHUT_DOWN, "shut down"
-            remove_store_dir(group_store_root(self.config.peer_group_store, self.config.name,
-                                              self.group.group_id))
-
-    # --- watching -------------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        num_missed = [0] * self.group.size
-        while not self._stop.wait(self.config.health_check_interval_s):
-            if self.state == FAILED:
-                return
-            try:
-                broken = self._find_broken(num_missed)
-                if broken or self.state in (UNHEALTHY, RESTARTING):
-                    self._restart(broken)
-            except Exception as exc:  # noqa: BLE001 (the watch must outlive any one failure)
-                self._note_failure(f"restart failed: {type(exc).__name__}: {exc}")
-
-    def _find_broken(self, num_missed: list[int]) -> dict[int, str]:
-        refs = [engine.ping.remote() for engine in self.engines]
-        timeout = max(self.config.health_check_interval_s, 1.0)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        ready, broken = set(ready), {}
-        for rank, ref in enumerate(refs):
-            if ref not in ready:
-                num_missed[rank] += 1
-                if num_missed[rank] >= self.config.max_missed_pings:
-                    broken[rank] = f"missed {num_missed[rank]} pings"
-                continue
-            try:
-                member_state = ray.get(ref)
-            except ray.exceptions.ActorUnavailableError:
-                num_missed[rank] += 1  # briefly unreachable: counted like a missed ping
-                if num_missed[rank] >= self.config.max_missed_pings:
-                    broken[rank] = f"unreachable for {num_missed[rank]} pings"
-                continue
-            except ray.exceptions.RayActorError as exc:
-                broken[rank] = f"died ({type(exc).__name__})"
-                continue
-            num_missed[rank] = 0
-            if member_state in _BROKEN_MEMBER_STATES and self.state == READY:
-                broken[rank] = f"reports {member_state}"
-        for rank in broken:
-            num_missed[rank] = 0
-        return broken
-
-    def _restart(self, broken: dict[int, str]) -> None:
-        """The whole group again: survivors drop, broken engines recreated, new generation."""
-        why = ", ".join(f"rank {r} {w}" for r, w in sorted(broken.items())) or self.reason
-        self.state, self.reason = RESTARTING, f"restarting: {why}"
-        self.num_restarts += 1
-        self._log(self.reason)
-        survivors = [r for r in range(self.group.size) if r not in broken]
-        drops = [self.engines[r].drop.remote(f"group restarting: {why}") for r in survivors]
-        try:
-            ray.get(drops, timeout=max(10.0, self.config.health_check_interval_s * 5))
-        except Exception as exc:  # a survivor that cannot drop is replaced as well
-            self._log(f"a survivor failed to drop its tables ({exc}); recreating all")
-            broken = {r: "failed to drop" for r in range(self.group.size)}
-        for rank in broken:
-            _kill(self.engines[rank])
-            self.engines[rank] = self._create_engine(rank)
-        try:
-            self._run_generation()
-            self.reason = f"{self.reason} after restart ({why})"
-        except Exception:
-            pass  # _run_generation noted the failure; the watch retries or the group failed
-
-    # --- status ---------------------------------------------------------------------------
-
-    def ping(self) -> str:
-        return self.state
-
-    def get_engines(self) -> list:
-        return list(self.engines)
+    def leave(self, replica_id: str) -> None:
+        with self._lock:
+            self.book.leave(replica_id)
+            self.targets.pop(replica_id, None)
+            self.targets.pop(f"{replica_id}/model", None)
+            self._write_targets_locked()
 
     def status(self) -> dict:
-        members = [{"rank": rank, **{key: self.reports.get(rank, {}).get(key) for key in (
-                        "actor_id", "node_id", "owned_bytes", "local_bytes",
-                        "rendezvous_seconds")}}
-                   for rank in range(self.group.size)]
-        return {"group_id": self.group.group_id, "domain_id": self.group.domain.domain_id,
-                "size": self.group.size, "state": self.state, "reason": self.reason,
-                "is_ready": self.state == READY, "generation": self.generation,
-                "generation_index": self.generation_index, "store_dir": self.store_dir,
-                "num_restarts": self.num_restarts, "members": members,
-                "bytes_per_rank": [m["local_bytes"] for m in members],
-                "events": [f"{t:.3f} {text}" for t, text in self.events[-20:]]}
+        with self._lock:
+            return self.book.status()
 
-    def _log(self, text: str) -> None:
-        self.events.append((time.time(), text))
+    def shutdown(self) -> None:
+        """Remove every store folder of the application's groups."""
+        with self._lock:
+            self.book.remove_stores()
+
+    # --- metric targets --------------------------------------------------------------------
+    def register_target(self, key: str, target: str, labels: dict | None = None) -> None:
+        with self._lock:
+            self.targets[key] = {"target": target, "labels": labels or {}}
+            self._write_targets_locked()
+
+    def _forget_ended_locked(self) -> None:
+        """Targets of replicas no current generation holds (stopped with their gang)."""
+        current = {m["replica_id"] for g in self.book.groups.values() if g.current
+                   for m in g.current.members.values()}
+        stale = [k for k in self.targets if k.split("/")[0] not in current]
+        for key in stale:
+            del self.targets[key]
+        if stale:
+            self._write_targets_locked()
+
+    def _write_targets_locked(self) -> None:
+        try:
+            write_file_sd(self.targets_file, self.targets)
+        except OSError as exc:  # Prometheus misses a change; groups must still move on
+            logger.error("engram-ray: could not write the Prometheus targets list %s: %s",
+                         self.targets_file, exc)
 
 
-def _kill(actor) -> None:
-    if actor is None:
-        return
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already dead
-        pass
+def _head_node_id() -> str:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_name: str):
+    """The application's coordinator (see module docstring for reuse and replacement)."""
+    coordinator = _coordinator_actor(app_config_dict, domains, deployment_name)
+    made_with, num_members = ray.get(coordinator.describe.remote())
+    if tuple(made_with) == (app_config_dict, domains):
+        return coordinator
+    if num_members:
+        raise EngramRayError(
+            f"{coordinator_name(deployment_name)}: the coordinator of an earlier deployment "
+            f"with other settings or groups still has {num_members} members; shut that "
+            "deployment down (serve shutdown) or give this one another deployment.name")
+    logger.info("replacing %s: made with other settings, no members",
+                coordinator_name(deployment_name))
+    ray.kill(coordinator, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(coordinator_name(deployment_name), namespace="engram")
+            time.sleep(0.2)
+        except ValueError:  # the name is free again
+            break
+    return _coordinator_actor(app_config_dict, domains, deployment_name)
+
+
+def find_coordinator(deployment_name: str):
+    """The running coordinator (replicas ask for it by name; build_app created it)."""
+    return ray.get_actor(coordinator_name(deployment_name), namespace="engram")
+
+
+def _coordinator_actor(app_config_dict: dict, domains: dict[str, str], deployment_name: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # An explicit node-affinity strategy keeps it out of any placement group of its creator.
+    return Coordinator.options(
+        name=coordinator_name(deployment_name), namespace="engram", get_if_exists=True,
+        lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=True),
+    ).remote(app_config_dict, domains)

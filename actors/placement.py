@@ -1,9 +1,14 @@
-"""Placement: NVLink domains from Ray node labels, one placement group per peer group.
+"""Placement: NVLink domains from Ray node labels, and the Serve gang options that keep each
+peer group inside one of them.
 
-Each peer group gets a placement group of `peer_group_size` bundles (`config.bundle`: one GPU,
-or CPUs for engines on CPU), every bundle restricted to the group's domain by a bundle label
-selector on the domain label (`ray.io/node-id` when the domain is one node), STRICT_PACK when
-the domain is one host, PACK otherwise. Engine actors are pinned one per bundle.
+Ray's scheduler does the placing: a peer group is one Serve gang (`gang_size` =
+`peer_group_size`, RESTART_GANG) whose placement group has one bundle per engine, every bundle
+with a label selector naming the group's domain (`domain_label_key=<value>`, or the node id
+when engines run on CPU and a domain is one node). A bundle can only go to a node of that
+domain, so all P engines of a group are in one domain or the group does not start. Which
+domain a group gets is decided when the application is built (`plan_groups`, from the
+domains' free slots); a group that fits in no domain within `placement_timeout_s` fails the
+build with one line (`unplaced_message`), which Serve shows as the application's status.
 """
 
 from __future__ import annotations
@@ -11,14 +16,10 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.util.placement_group import (PlacementGroup, placement_group,
-                                      remove_placement_group)
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engram_ray.config import DeploymentConfig
-from engram_ray.grouping import (Domain, NodeSlots, PeerGroupPlan, PlacementError,
-                                 describe_domains, domains_of)
-
+from engram_ray.grouping import (Domain, NodeSlots, PeerGroupPlan, PlacementError, domain_summary,
+                                 domains_of, place_groups)
 
 def slot_resource(config: DeploymentConfig) -> tuple[str, float]:
     """The resource an engine slot is counted in, and how much of it one engine takes."""
@@ -35,10 +36,28 @@ def _free_resources_per_node() -> dict[str, dict]:
         return {}
 
 
+def own_reservations(config: DeploymentConfig, resource: str) -> dict[str, float]:
+    """`resource` per node held by the gangs of this deployment's engines (a redeploy of a
+    running application may plan with them: Serve replaces those gangs)."""
+    from ray.serve._private.common import GANG_PG_NAME_PREFIX
+
+    marker = f":{config.name}:group-"  # in every engine deployment's name (engram_ray.serve)
+    held: dict[str, float] = {}
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("state") != "CREATED" or not pg.get("name", "").startswith(GANG_PG_NAME_PREFIX) \
+                or marker not in pg["name"]:
+            continue
+        for index, node_id in pg.get("bundles_to_node_id", {}).items():
+            amount = pg["bundles"][index].get(resource, 0.0)
+            held[node_id] = held.get(node_id, 0.0) + amount
+    return held
+
+
 def discover_nodes(config: DeploymentConfig) -> list[NodeSlots]:
-    """Alive nodes with their domain label and free engine slots."""
+    """Alive nodes with their domain label and free engine slots (this deployment's own
+    gangs counted as free)."""
     resource, per_engine = slot_resource(config)
-    free = _free_resources_per_node()
+    free, held = _free_resources_per_node(), own_reservations(config, resource)
     nodes = []
     for node in ray.nodes():
         if not node.get("Alive"):
@@ -46,6 +65,7 @@ def discover_nodes(config: DeploymentConfig) -> list[NodeSlots]:
         node_id = node["NodeID"]
         total = node.get("Resources", {}).get(resource, 0.0)
         available = free.get(node_id, node.get("Resources", {})).get(resource, 0.0)
+        available = min(total, available + held.get(node_id, 0.0))
         # NOTES: the small epsilon absorbs Ray's fixed-point resource arithmetic (0.1 * 3).
         nodes.append(NodeSlots(node_id, node.get("Labels", {}).get(config.domain_label_key),
                                int(available / per_engine + 1e-6),
@@ -58,59 +78,70 @@ def discover_domains(config: DeploymentConfig) -> list[Domain]:
                       node_is_domain=config.is_cpu_only)
 
 
-def placement_strategy(domain: Domain) -> str:
-    return "STRICT_PACK" if domain.is_single_host else "PACK"
+# Serve retries a failed build task (any exception, 3 times, at once); a build starting this
+# soon after the last deadline passed is such a retry and keeps that deadline.
+RETRY_WINDOW_S = 30.0
 
 
-def reserve_group(group: PeerGroupPlan, config: DeploymentConfig) -> PlacementGroup:
-    """A ready placement group for `group`; `PlacementError` after `placement_timeout_s`."""
-    pg = placement_group([dict(config.bundle) for _ in range(group.size)],
-                         strategy=placement_strategy(group.domain),
-                         name=f"{config.name}-{group.group_id}",
-                         bundle_label_selector=[dict(group.domain.selector)
-                                                for _ in range(group.size)])
-    if pg.wait(config.placement_timeout_s):
-        return pg
-    remove_placement_group(pg)
-    raise PlacementError(infeasible_message(group, config, discover_domains(config)))
+def plan_groups(config: DeploymentConfig, num_groups: int) -> list[PeerGroupPlan]:
+    """`num_groups` peer groups, each given a domain with room for it; waits up to
+    `placement_timeout_s` for room (nodes joining, GPUs being freed), then `PlacementError`."""
+    deadline = _placement_deadline(config)
+    while True:
+        domains = discover_domains(config)
+        placed, num_missing = place_groups(domains, config.peer_group_size, num_groups)
+        if not num_missing:
+            _placement_deadline_key(config, clear=True)
+            return placed
+        if time.time() >= deadline:
+            raise PlacementError(unplaced_message(config, num_groups, placed, domains))
+        time.sleep(1.0)
 
 
-def infeasible_message(group: PeerGroupPlan, config: DeploymentConfig,
-                       domains: list[Domain]) -> str:
+def _placement_deadline(config: DeploymentConfig) -> float:
+    """Wall-clock end of this deployment's placement wait, kept in Ray's KV store across
+    Serve's retries of a failed build (else DEPLOY_FAILED would come after 4 timeouts)."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+    key, now = _placement_deadline_key(config), time.time()
+    stored = _internal_kv_get(key)
+    if stored is not None and now - float(stored) < RETRY_WINDOW_S:
+        return float(stored)
+    deadline = now + config.placement_timeout_s
+    _internal_kv_put(key, str(deadline).encode(), overwrite=True)
+    return deadline
+
+
+def _placement_deadline_key(config: DeploymentConfig, clear: bool = False) -> bytes:
+    key = f"engram-placement-deadline:{config.name}".encode()
+    if clear:
+        from ray.experimental.internal_kv import _internal_kv_del
+        _internal_kv_del(key)
+    return key
+
+
+def unplaced_message(config: DeploymentConfig, num_groups: int, placed: list[PeerGroupPlan],
+                     domains: list[Domain]) -> str:
+    """One line: the groups that cannot be placed, what each needs, every domain's free
+    slots, what to do."""
     resource, _ = slot_resource(config)
-    return (f"placement group for peer group {group.group_id} was not placed within "
-            f"{config.placement_timeout_s:g} s (placement_timeout_s).\n"
-            f"Asked: {group.size} bundles of {config.bundle}, {placement_strategy(group.domain)}, "
-            f"all on nodes with {group.domain.selector}.\n"
-            f"Domains Ray knows now (free {resource} slots):\n{describe_domains(domains)}\n"
-            "Free the domain's GPUs (other placement groups or actors hold them), lower "
-            "peer_group_size, or raise placement_timeout_s if nodes are still joining.")
+    missing = [f"group-{i}" for i in range(len(placed), num_groups)]
+    return (f"peer group(s) {', '.join(missing)} of {num_groups} cannot be placed within "
+            f"{config.placement_timeout_s:g} s (placement_timeout_s): each needs "
+            f"{config.peer_group_size} x {config.bundle} in one NVLink domain "
+            f"({config.domain_label_key}); domains (free/total {resource}s): "
+            f"{domain_summary(domains)}; placed: "
+            + (", ".join(f"{g.group_id} in {g.domain.domain_id}" for g in placed) or "none")
+            + "; free slots in one domain, add nodes, or lower serving.num_peer_groups or "
+              "deployment.peer_group_size")
 
 
-def engine_options(pg: PlacementGroup, bundle_index: int, config: DeploymentConfig) -> dict:
-    """`.options(...)` pinning one engine actor to bundle `bundle_index` of `pg`."""
-    return dict(
-        num_gpus=config.num_gpus_per_engine,
-        num_cpus=config.num_cpus_per_engine,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle_index,
-            placement_group_capture_child_tasks=False))
-
-
-def wait_for_free(resource: str, amount: float, timeout_s: float) -> bool:
-    """Wait until the cluster reports at least `amount` of `resource` free (released
-    resources reach Ray's resource view a moment after their actors and groups are gone)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ray.available_resources().get(resource, 0.0) >= amount - 1e-6:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def release_group(pg: PlacementGroup | None) -> None:
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception:  # already removed, or Ray is shutting down
-            pass
+def gang_options(config: DeploymentConfig, group: PeerGroupPlan) -> dict:
+    """Serve deployment options making `group` one gang of `peer_group_size` replicas inside
+    its domain. PACK keeps a one-host domain's group on as few nodes as it can; the label
+    selector, not the strategy, is what keeps it in the domain."""
+    return {"num_replicas": config.peer_group_size,
+            "gang_scheduling_config": {"gang_size": config.peer_group_size,
+                                       "gang_placement_strategy": "PACK",
+                                       "runtime_failure_policy": "RESTART_GANG"},
+            "placement_group_bundle_label_selector": [dict(group.domain.selector)]}

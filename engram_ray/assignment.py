@@ -1,10 +1,10 @@
-"""What a coordinator hands each engine of its peer group: generation, store, rank, slices. Pure.
+"""What the coordinator hands each engine of its peer group: generation, store, slices. Pure.
 
 Generation ids name one life of a group: `<deployment>-<group>.<index>.<token>` (hashed to at
 most 64 characters), unique per host because the shm backend names its files after them and
 the rendezvous refuses a store of another generation. Each generation gets a fresh store folder
 `<peer_group_store>/<deployment>/<group>/<generation>` (0700); the previous one is removed once
-the new generation is ready.
+the new generation starts (its old members are gone by then: Serve stops a whole gang).
 """
 
 from __future__ import annotations
@@ -36,31 +36,6 @@ class TableSlice:
         return (self.end - self.start) * self.row_bytes
 
 
-@dataclass(frozen=True)
-class EngineAssignment:
-    """One engine's place in one generation of its peer group."""
-
-    group_id: str
-    generation: str
-    generation_index: int
-    rank: int
-    size: int
-    store_dir: str
-    slices: tuple[TableSlice, ...]
-
-    @property
-    def num_owned_bytes(self) -> int:
-        """Bytes of the rows this rank owns (padding of the last rank not included)."""
-        return sum(s.num_bytes for s in self.slices)
-
-    def peer_group_spec(self, timeout_s: float, handle_type: str | None = None):
-        """This member's PeerGroupSpec; `handle_type` is the deployment's request, if any."""
-        from engram_ray.table import PeerGroupSpec
-        return PeerGroupSpec(size=self.size, rank=self.rank, store_dir=self.store_dir,
-                             generation=self.generation, timeout_s=timeout_s,
-                             handle_type=handle_type)
-
-
 def generation_id(deployment: str, group_id: str, index: int, token: str) -> str:
     """`<deployment>-<group>.<index>.<token>`; the prefix hashed down when it is too long."""
     suffix = f".{index}.{token}"
@@ -81,15 +56,11 @@ def generation_store_dir(peer_group_store: str, deployment: str, group_id: str,
     return os.path.join(group_store_root(peer_group_store, deployment, group_id), generation)
 
 
-def make_assignments(layout: EngramLayout, group_id: str, size: int, generation: str,
-                     generation_index: int, store_dir: str) -> list[EngineAssignment]:
-    """One assignment per rank 0..size-1; slices from `engram_ray.plan.slice_range`."""
-    return [EngineAssignment(
-        group_id=group_id, generation=generation, generation_index=generation_index,
-        rank=rank, size=size, store_dir=store_dir,
-        slices=tuple(TableSlice(layer_id, *slice_range(rows, size, rank), layout.row_bytes)
-                     for layer_id, rows in zip(layout.layer_ids, layout.rows_per_table)))
-        for rank in range(size)]
+def slices_of(layout: EngramLayout, rank: int, size: int) -> tuple[TableSlice, ...]:
+    """Rank `rank`'s rows of every table in a group of `size` (`engram_ray.plan.slice_range`,
+    the function the engines' tables use too)."""
+    return tuple(TableSlice(layer_id, *slice_range(rows, size, rank), layout.row_bytes)
+                 for layer_id, rows in zip(layout.layer_ids, layout.rows_per_table))
 
 
 def create_store_dir(store_dir: str) -> str:

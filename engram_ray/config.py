@@ -51,12 +51,19 @@ def _check_text(name: str, value, *, optional: bool = False) -> None:
 class _Section:
     """Shared construction of config sections from plain dicts (YAML)."""
 
+    # Settings that are gone, with what to use instead (refused by name, not silently kept).
+    RETIRED: typing.ClassVar[dict[str, str]] = {}
+
     @classmethod
     def from_dict(cls, data, source: str = "config"):
         if data is None:
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(source, f"is {type(data).__name__}", "a mapping of settings")
+        retired = sorted(set(data) & set(cls.RETIRED))
+        if retired:
+            raise ConfigError(f"{source}: {retired[0]}", "is no longer a setting",
+                              cls.RETIRED[retired[0]])
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -86,13 +93,17 @@ def _build_section(hint, value, source: str):
 class DeploymentConfig(_Section):
     """Where the Engram tables of one deployment live and how their peer groups are formed."""
 
+    RETIRED: typing.ClassVar[dict[str, str]] = {
+        "max_peer_groups": "serving.num_peer_groups (exactly that many groups serve; the "
+                           "build fails naming what is missing when they do not fit)",
+        "seed": "serving.engine_kwargs.load_format 'dummy' for synthetic rows (vLLM's dummy "
+                "weights fill the tables; there is no seed of their own)"}
+
     name: str = _field("engram", "deployment name: prefix of actor names and store folders")
     model: str = _field("deepseek-v4.1-flash",
                         "model preset name or path to a config.json (or its folder)")
     peer_group_size: int = _field(8, "GPUs (engines) that split each table's rows; every "
                                      "group lies inside one NVLink domain")
-    max_peer_groups: int | None = _field(None, "start at most this many peer groups (default: "
-                                               "as many as fit in the domains)")
     peer_group_store: str = _field(
         "/tmp/engram-ray/store",
         "root folder of the rendezvous stores (one 0700 folder per group and generation); "
@@ -106,15 +117,16 @@ class DeploymentConfig(_Section):
     fill: str = _field("synthetic", "table contents: 'synthetic' (deterministic rows) or "
                                     "'checkpoint' (the model's Engram weights)")
     checkpoint: str | None = _field(None, "checkpoint folder when fill is 'checkpoint'")
-    seed: int = _field(0, "seed of the synthetic rows")
     rendezvous_timeout_s: float = _field(300.0, "seconds a group's members wait for each "
                                                 "other at startup before failing")
-    placement_timeout_s: float = _field(120.0, "seconds to wait for a group's placement "
-                                               "group before reporting it infeasible")
+    placement_timeout_s: float = _field(120.0, "seconds the application's build waits for "
+                                               "every peer group to have room in one NVLink "
+                                               "domain before failing with what is missing")
     health_check_interval_s: float = _field(
-        1.0, "seconds between the coordinator's pings of its engines (and theirs of it)")
-    max_missed_pings: int = _field(5, "pings in a row that may time out before a peer is "
-                                      "taken for dead (a dead actor is noticed at once)")
+        1.0, "seconds between Serve's health checks of each engine")
+    max_missed_pings: int = _field(5, "health-check intervals one check may take before it "
+                                      "counts as failed (Serve then restarts the engine's "
+                                      "whole group; a dead actor is noticed at once)")
     domain_label_key: str = _field(DEFAULT_DOMAIN_LABEL_KEY,
                                    "Ray node label naming a node's NVLink domain "
                                    "(set by `ray start --labels` from `engram-ray node-labels`)")
@@ -128,9 +140,6 @@ class DeploymentConfig(_Section):
             _check_text(name, getattr(self, name))
         _check_text("checkpoint", self.checkpoint, optional=True)
         _check_number("peer_group_size", self.peer_group_size, minimum=1, integer=True)
-        _check_number("seed", self.seed, minimum=0, integer=True)
-        if self.max_peer_groups is not None:
-            _check_number("max_peer_groups", self.max_peer_groups, minimum=1, integer=True)
         _check_number("max_missed_pings", self.max_missed_pings, minimum=1, integer=True)
         for name in ("rendezvous_timeout_s", "placement_timeout_s", "health_check_interval_s"):
             _check_number(name, getattr(self, name), minimum=0, exclusive=True)

@@ -5,9 +5,8 @@ read each other's memory. Nodes carrying the same value of the domain label form
 Nodes without the label, or labelled `none`, are isolated: each GPU is its own domain. With
 `node_is_domain` (engines on CPU) every node is a domain of its own.
 
-`form_peer_groups` cuts each domain into as many groups of `peer_group_size` as fit; a domain
-may hold several groups. Slots that do not fill a group are reported with the reason, never
-used silently.
+`place_groups` puts the groups a deployment asks for into the domains (a domain may hold
+several); what fits nowhere is counted, and the caller reports it (`actors/placement.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engram_ray.errors import EngramRayError
-from engram_ray.topology import NO_DOMAIN, label_value
+from engram_ray.topology import NO_DOMAIN
 
 NODE_ID_LABEL_KEY = "ray.io/node-id"  # Ray sets it on every node
 
@@ -43,6 +42,7 @@ class Domain:
     num_slots: int
     selector: dict
     is_isolated: bool = False  # no NVLink between its slots: only groups of 1
+    num_total_slots: int | None = None  # free or not
 
     @property
     def is_single_host(self) -> bool:
@@ -59,30 +59,13 @@ class PeerGroupPlan:
     size: int
 
 
-@dataclass(frozen=True)
-class UnusedSlots:
-    domain_id: str
-    num_slots: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class GroupingPlan:
-    groups: tuple[PeerGroupPlan, ...]
-    unused: tuple[UnusedSlots, ...]
-    domains: tuple[Domain, ...]
-    peer_group_size: int
-
-    def groups_in(self, domain_id: str) -> list[PeerGroupPlan]:
-        return [g for g in self.groups if g.domain.domain_id == domain_id]
-
-
 def domains_of(nodes: list[NodeSlots], label_key: str, *,
                node_is_domain: bool = False) -> list[Domain]:
     """Domains of the alive nodes, sorted by id. Nodes with no free slot still appear."""
     if node_is_domain:
         return sorted((Domain(f"node-{n.node_id[:12]}", (n.node_id,), n.num_slots,
-                              {NODE_ID_LABEL_KEY: n.node_id}) for n in nodes),
+                              {NODE_ID_LABEL_KEY: n.node_id},
+                              num_total_slots=n.num_total_slots) for n in nodes),
                       key=lambda d: d.domain_id)
     by_label: dict[str, list[NodeSlots]] = {}
     domains = []
@@ -90,66 +73,37 @@ def domains_of(nodes: list[NodeSlots], label_key: str, *,
         if node.domain_label in (None, "", NO_DOMAIN):
             domains.append(Domain(f"isolated-{node.node_id[:12]}", (node.node_id,),
                                   node.num_slots, {NODE_ID_LABEL_KEY: node.node_id},
-                                  is_isolated=True))
+                                  is_isolated=True, num_total_slots=node.num_total_slots))
         else:
             by_label.setdefault(node.domain_label, []).append(node)
     for value, members in by_label.items():
         domains.append(Domain(value, tuple(sorted(n.node_id for n in members)),
-                              sum(n.num_slots for n in members), {label_key: value}))
+                              sum(n.num_slots for n in members), {label_key: value},
+                              num_total_slots=sum(n.num_total_slots or 0 for n in members)))
     return sorted(domains, key=lambda d: d.domain_id)
 
 
-def group_name(domain_id: str, index: int) -> str:
-    """Group id: `<domain>-g<index>`, usable as a folder name and in actor names."""
-    return label_value(f"{domain_id}-g{index}")
+def place_groups(domains: list[Domain], peer_group_size: int,
+                 num_groups: int) -> tuple[list[PeerGroupPlan], int]:
+    """`num_groups` groups `group-0..` put in the domains one per domain in turn (in domain
+    order, skipping a domain once it has no room for another), so groups land in separate
+    failure domains while there are more domains than groups. Returns (placed groups, number
+    that fit nowhere)."""
+    room = {d.domain_id: 0 if d.is_isolated and peer_group_size > 1
+            else d.num_slots // peer_group_size for d in domains}
+    placed: list[PeerGroupPlan] = []
+    while len(placed) < num_groups and any(room.values()):
+        for domain in domains:
+            if room[domain.domain_id] and len(placed) < num_groups:
+                room[domain.domain_id] -= 1
+                placed.append(PeerGroupPlan(f"group-{len(placed)}", domain, len(placed),
+                                            peer_group_size))
+    return placed, num_groups - len(placed)
 
 
-def form_peer_groups(domains: list[Domain], peer_group_size: int) -> GroupingPlan:
-    """As many groups of `peer_group_size` as fit in each domain; the rest reported unused."""
-    if not isinstance(peer_group_size, int) or peer_group_size < 1:
-        raise ValueError(f"peer_group_size is {peer_group_size!r}, expected an integer >= 1")
-    groups, unused = [], []
-    for domain in domains:
-        num_groups = domain.num_slots // peer_group_size
-        if domain.is_isolated and peer_group_size > 1:
-            num_groups = 0
-        groups += [PeerGroupPlan(group_name(domain.domain_id, i), domain, i, peer_group_size)
-                   for i in range(num_groups)]
-        num_left = domain.num_slots - num_groups * peer_group_size
-        if num_left:
-            unused.append(UnusedSlots(domain.domain_id, num_left,
-                                      _unused_reason(domain, num_groups, num_left,
-                                                     peer_group_size)))
-    return GroupingPlan(tuple(groups), tuple(unused), tuple(domains), peer_group_size)
-
-
-def _unused_reason(domain: Domain, num_groups: int, num_left: int, size: int) -> str:
-    if domain.is_isolated:
-        return (f"node {domain.node_ids[0][:12]} has no NVLink domain label (or `none`): its "
-                f"GPUs cannot be peers, so no group of {size} can form there; label it with "
-                "`ray start --labels \"$(engram-ray node-labels)\"` if its GPUs are NVLink peers")
-    if num_groups == 0:
-        return (f"domain has {domain.num_slots} free slot(s), fewer than peer_group_size {size}: "
-                "unable to form a peer group")
-    return f"{num_left} slot(s) left over after {num_groups} group(s) of {size}"
-
-
-def describe_domains(domains: list[Domain] | tuple[Domain, ...]) -> str:
-    """One line per domain: id, nodes, free slots (for errors and logs)."""
+def domain_summary(domains: list[Domain] | tuple[Domain, ...], what: str = "GPU") -> str:
+    """`a 1/4, b 0/4` (free/total slots per domain) for one-line reports."""
     if not domains:
-        return "  (no alive node)"
-    return "\n".join(
-        f"  {d.domain_id}: {d.num_slots} free slot(s) on {len(d.node_ids)} node(s)"
-        + (" [isolated: no NVLink peers]" if d.is_isolated else "") for d in domains)
-
-
-def check_has_groups(plan: GroupingPlan, what: str = "GPU") -> None:
-    """Raise `PlacementError` naming every domain when not one group can form."""
-    if plan.groups:
-        return
-    raise PlacementError(
-        f"no peer group of {plan.peer_group_size} {what}s fits in any NVLink domain. "
-        f"Domains Ray knows (free {what}s):\n{describe_domains(plan.domains)}\n"
-        f"Asked: groups of peer_group_size={plan.peer_group_size}, each inside one domain. "
-        "Lower peer_group_size, add nodes to a domain, or label the nodes with their domain "
-        "(`engram-ray node-labels`).")
+        return "no alive node"
+    return ", ".join(f"{d.domain_id} {d.num_slots}/{d.num_total_slots}"
+                     + (" (isolated)" if d.is_isolated else "") for d in domains)

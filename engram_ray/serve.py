@@ -2,16 +2,20 @@
 
     serve deploy cluster_configs/serve_local_tiny.yaml      # args: {deployment, serving}
 
-An OpenAI-compatible API (completions, chat completions, streaming) over every engine of the
-deployment, built with Ray Serve LLM: its ingress (`OpenAiIngress`, routing across replicas)
-and builders (`build_openai_app`; for data-parallel gangs `build_dp_deployment` behind the same
-ingress), with the replica class swapped for an engram-ray engine (`LLMConfig.server_cls`,
-`deployment_cls`; `engram_ray.serving.server`): rank in a peer group, table settings for vLLM,
-metrics.
+    build_app(args)
+      plan groups     each of serving.num_peer_groups gets a domain   actors/placement.py
+      coordinator     generations, store folders, slices, targets      actors/coordinator.py
+      per group       one Serve deployment = one gang of P engines,    engram_ray.serving.server
+                      bundles label-selected to the group's domain
+      ingress         OpenAI API, requests spread over the groups      engram_ray.serving.ingress
+
+Built from Ray Serve LLM's parts: `LLMConfig`, `build_llm_deployment` with the replica class
+swapped for an engram-ray engine, and its OpenAI ingress.
 """
 
 from __future__ import annotations
 
+from engram_ray.grouping import PeerGroupPlan
 from engram_ray.serving.config import ServeAppConfig
 
 
@@ -35,69 +39,80 @@ def engine_kwargs(app: ServeAppConfig) -> dict:
     return kwargs
 
 
-def llm_config(app: ServeAppConfig):
-    """The Ray Serve LLM `LLMConfig` of the application's engines."""
+def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
+    """The Ray Serve LLM `LLMConfig` of the engines of peer group `group`."""
     from ray.serve.llm import LLMConfig
 
-    from engram_ray.serving.server import APP_CONFIG_KEY, EngramDPServer, EngramLLMServer
+    from engram_ray.serving.server import APP_CONFIG_KEY, GROUP_KEY
 
     srv, dep = app.serving, app.deployment
-    is_dp = srv.data_parallel_size > 1
-    bundle = dict(dep.bundle)
     deployment_config = {
-        "health_check_period_s": max(1, int(dep.health_check_interval_s * 2)),
-        "health_check_timeout_s": 30,
+        "health_check_period_s": dep.health_check_interval_s,
+        # A member that does not answer max_missed_pings health checks in a row is taken for
+        # dead (Serve then restarts its whole group); a dead actor is noticed at once.
+        "health_check_timeout_s": dep.health_check_interval_s * dep.max_missed_pings,
         "max_ongoing_requests": 256,
         "ray_actor_options": {"num_cpus": 0},  # its CPUs are in the bundle
     }
-    # For DPServer num_replicas counts gangs; it multiplies by data_parallel_size itself.
-    deployment_config["num_replicas"] = app.num_replicas // srv.data_parallel_size
     return LLMConfig(
         model_loading_config={"model_id": srv.model_id, "model_source": srv.model_source},
         engine_kwargs=engine_kwargs(app),
         deployment_config=deployment_config,
-        placement_group_config={"bundles": [bundle]},
-        server_cls=EngramDPServer if is_dp else EngramLLMServer,
+        placement_group_config={"bundles": [dict(dep.bundle)]},
         log_engine_metrics=False,  # vLLM's own vllm:* series go to the engine's /metrics
-        experimental_configs={APP_CONFIG_KEY: app.to_dict()},
+        experimental_configs={APP_CONFIG_KEY: app.to_dict(),
+                              GROUP_KEY: {"group_id": group.group_id,
+                                          "domain_id": group.domain.domain_id}},
     )
 
 
 INGRESS_OPTIONS = {"ray_actor_options": {"num_cpus": 0}}  # the engines take every CPU
 
 
+def server_class(app: ServeAppConfig):
+    from engram_ray.serving.server import EngramDPServer, EngramLLMServer
+
+    return EngramDPServer if app.serving.data_parallel_size > 1 else EngramLLMServer
+
+
 def build_app(args: dict):
     """Serve application from the YAML `args` ({deployment: ..., serving: ...})."""
-    from ray.serve.llm import build_openai_app
+    return build_engram_app(args)
+
+
+def build_engram_app(args: dict, server_cls=None):
+    """`build_app` with the engine class replaced by `server_cls` (tests: a server that only
+    records where it runs; Serve's builders take exactly one argument)."""
+    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+
+    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.placement import gang_options, plan_groups
 
     app = ServeAppConfig.from_dict(args, "build_app args")
-    config = llm_config(app)
-    if app.serving.data_parallel_size > 1:
-        return _build_dp_app(config)
-    return build_openai_app({"llm_configs": [config], "ingress_deployment_config":
-                             INGRESS_OPTIONS})
+    dep = app.deployment
+    server_cls = server_cls or server_class(app)
+    groups = plan_groups(dep, app.serving.num_peer_groups)
+    get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name)
+    configs = [llm_config(app, g) for g in groups]
+    engines = [build_llm_deployment(config, deployment_cls=server_cls, override_serve_options={
+        "name": f"{server_cls.__name__}:{dep.name}:{g.group_id}", **gang_options(dep, g)})
+        for config, g in zip(configs, groups)]
+    return _ingress(configs[0], engines)
 
 
-def _build_dp_app(config):
-    """Ray Serve LLM's data-parallel app with `EngramDPServer` replicas.
-
-    Written here because `build_dp_openai_app` always uses `DPServer` (it ignores
-    `server_cls`); this assembles the same parts: `build_dp_deployment(deployment_cls=...)`
-    behind the OpenAI ingress."""
+def _ingress(config, engines: list):
+    """Ray Serve LLM's OpenAI ingress over the groups' deployments
+    (`engram_ray.serving.ingress.PeerGroupIngress`)."""
     from ray import serve
     from ray.llm._internal.common.dict_utils import deep_merge_dicts
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
-    from ray.llm._internal.serve.core.ingress.builder import IngressClsConfig
     from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
-    from ray.serve.llm import build_dp_deployment
 
-    from engram_ray.serving.server import EngramDPServer
+    from engram_ray.serving.ingress import PeerGroupIngress
 
-    engines = build_dp_deployment(config, deployment_cls=EngramDPServer)
-    ingress = IngressClsConfig()
-    options = deep_merge_dicts(ingress.ingress_cls.get_deployment_options([config]),
+    options = deep_merge_dicts(PeerGroupIngress.get_deployment_options([config]),
                                INGRESS_OPTIONS)
-    return serve.deployment(make_fastapi_ingress(ingress.ingress_cls), **options).bind(
-        llm_deployments={config.model_id: engines},
+    return serve.deployment(make_fastapi_ingress(PeerGroupIngress), **options).bind(
+        llm_deployments={config.model_id: engines[0]},
         model_cards={config.model_id: to_model_metadata(config.model_id, config)},
-        lora_paths={}, **ingress.ingress_extra_kwargs)
+        lora_paths={}, peer_groups={config.model_id: engines})

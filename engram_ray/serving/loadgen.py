@@ -86,3 +86,41 @@ async def run_load_async(base_url: str, model: str, num_streams: int = 100,
 
 def run_load(base_url: str, model: str, **kwargs) -> LoadReport:
     return asyncio.run(run_load_async(base_url, model, **kwargs))
+
+
+def probe_generations(base_url: str, model: str, stop, period_s: float = 0.2,
+                      timeout_s: float = 60.0) -> list[tuple[float, str | None]]:
+    """Small non-streamed completions one after another until `stop` (a threading.Event) is
+    set: (monotonic time the answer came, its generation id from `system_fingerprint`, or None
+    for a failed request), in answer order."""
+    import httpx
+
+    answers = []
+    with httpx.Client(timeout=timeout_s) as http:
+        while not stop.is_set():
+            try:
+                resp = http.post(f"{base_url}/completions", json={
+                    "model": model, "prompt": "hi", "max_tokens": 2})
+                fingerprint = resp.json().get("system_fingerprint") if resp.is_success else None
+            except (httpx.HTTPError, ValueError):
+                fingerprint = None
+            answers.append((time.monotonic(), fingerprint))
+            stop.wait(period_s)
+    return answers
+
+
+def check_generation_order(answers: list[tuple[float, str | None]]) -> dict[str, list[str]]:
+    """Per peer group (generation ids are `<deployment>-<group>.<n>.<token>`), its generations
+    in the order they first answered; AssertionError if an older generation of a group answers
+    after a newer one did (survivors must stop before the new generation serves)."""
+    order: dict[str, list[str]] = {}
+    for at, generation in answers:
+        if generation is None:
+            continue
+        seen = order.setdefault(generation.rsplit(".", 2)[0], [])
+        if generation not in seen:
+            seen.append(generation)
+        elif generation != seen[-1]:
+            raise AssertionError(f"generation {generation} answered at {at:.1f} after "
+                                 f"{seen[-1]} had answered: a mixed-generation window")
+    return order

@@ -1,13 +1,18 @@
 """Serve replicas that are engram-ray engines: Ray Serve LLM's `LLMServer` (or `DPServer` for
-data-parallel gangs) plus a peer-group rank, the group's table settings for vLLM, and metrics.
+data-parallel gangs) plus a place in a peer group, the group's table settings for vLLM, and
+metrics.
 
-Start of a replica (`start`, before vLLM starts):
-  rank from the GroupRegistry ─► `additional_config["engram_peer_group"]` (the vLLM plugin opens
-  this rank's slice and meets the group in the FileStore rendezvous while the engine loads)
+One peer group = one Serve gang (`engram_ray.serve`, `actors/placement.py`): the replica's rank
+and the group's size come from `serve.get_replica_context().gang_context`, its generation and
+store folder from the coordinator (`actors/coordinator.py`), which opens a new generation for
+every new gang id. Start of a replica (`start`, before vLLM starts):
+  join the coordinator ─► `additional_config["engram_peer_group"]` (the vLLM plugin opens this
+  rank's slice and meets the group in the FileStore rendezvous while the engine loads)
   ─► `/metrics` endpoint registered as a Prometheus target ─► vLLM engine (Ray Serve LLM)
   ─► KV-cache capacity and a stat logger feeding KV usage and step time.
-Health: a replica whose group moved to a new generation (a member died) fails its health
-check, so Serve restarts it and it joins the new generation.
+Failure: a member that dies or fails its health check makes Serve stop every member of its
+gang and start a new gang (RESTART_GANG), so no engine serves next to peers of another
+generation. Answers carry the generation id that produced them (`system_fingerprint`).
 """
 
 from __future__ import annotations
@@ -30,14 +35,11 @@ from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
 from engram_ray.serving.kv_cache import engine_capacity, probe_engine_kwargs
 
 APP_CONFIG_KEY = "engram_app"
+GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
 # The engine's shared-memory segments are recorded again at a health check this often (some
 # exist only once it serves; engram_ray.serving.engine_shm).
 RECORD_SEGMENTS_EVERY_S = 10.0
 logger = logging.getLogger("ray.serve")
-
-
-class GroupMovedError(EngramRayError):
-    """This engine's peer group started a new generation; the engine must restart to rejoin."""
 
 
 class EngramStatLogger:
@@ -76,11 +78,13 @@ class EngramStatLogger:
         pass
 
 
-def peer_group_settings(assignment: dict) -> dict:
-    """`additional_config.engram_peer_group` of a replica from its registry assignment
-    (`engram_ray.models.peer_settings`); a handle type only when the deployment requests one."""
-    keys = ("size", "store", "rank", "generation", "timeout_s", "backend")
+def peer_group_settings(assignment: dict, dp_rank: int = 0) -> dict:
+    """`additional_config.engram_peer_group` of a replica from its coordinator assignment
+    (`engram_ray.models.peer_settings`): `rank` is the member of DP rank 0 of its data-parallel
+    gang (the plugin adds the DP rank); a handle type only when the deployment requests one."""
+    keys = ("size", "store", "generation", "timeout_s", "backend")
     settings = {key: assignment[key] for key in keys}
+    settings["rank"] = assignment["member_rank"] - dp_rank
     if assignment.get("handle_type") is not None:
         settings["handle_type"] = assignment["handle_type"]
     return settings
@@ -90,20 +94,17 @@ class EngramServerMixin:
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
     async def start(self):
+        from engram_ray.actors.coordinator import find_coordinator
         from engram_ray.serving.config import ServeAppConfig
-        from engram_ray.serving.groups import get_registry
 
         raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]
         self._app = app = ServeAppConfig.from_dict(raw, "replica")
-        dep = app.deployment
-        self._registry = get_registry(raw, dep.name)
-        self._replica_id, me, labels = self._replica()
+        self._coordinator = find_coordinator(app.deployment.name)
+        self._replica_id, gang, labels = self._replica()
         joined_at = time.perf_counter()
-        # DPServer sets gang_id, dp_rank and dp_size before start(); LLMServer has none.
-        gang = {"gang_id": getattr(self, "gang_id", None),
-                "dp_rank": getattr(self, "dp_rank", 0), "dp_size": getattr(self, "dp_size", 1)}
-        self._assignment = a = await self._registry.join.remote(
-            self._replica_id, me, labels.get(dep.domain_label_key), **gang)
+        group_id = self._llm_config.experimental_configs[GROUP_KEY]["group_id"]
+        self._assignment = a = await self._coordinator.join.remote(
+            group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
         try:  # from here on this replica holds a rank: a failure gives it back at once
             await self._start_member(a)
             self.engram_metrics.set_group(a["generation_index"], True,
@@ -112,21 +113,24 @@ class EngramServerMixin:
             await self._register_model_process_target()
             record_segments(self._replica_id)
             self._segments_recorded_at = time.monotonic()
-            await self._registry.ready.remote(self._replica_id)
         except BaseException as exc:
-            await self._leave(f"replica failed to start: {type(exc).__name__}: {exc}")
+            logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)
+            await self._leave()
             death = self._engine_death("while starting")
             if death is None:
                 raise
             raise EngineDiedError(death.line()) from None
 
     def _replica(self) -> tuple[str, object, dict]:
-        """(Serve replica id, this replica's actor handle, its node's labels)."""
+        """(Serve replica id, its gang context, its node's labels)."""
         import ray
         from ray import serve
 
-        return (serve.get_replica_context().replica_id.unique_id,
-                ray.get_runtime_context().current_actor,
+        context = serve.get_replica_context()
+        if context.gang_context is None:
+            raise EngramRayError("an engram-ray engine runs only in a peer-group gang "
+                                 "(engram_ray.serve:build_app sets gang_scheduling_config)")
+        return (context.replica_id.unique_id, context.gang_context,
                 ray.get_runtime_context().get_node_labels() or {})
 
     async def _start_member(self, a: dict) -> None:
@@ -139,7 +143,7 @@ class EngramServerMixin:
         self._model_target_file = os.path.join(
             tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
         additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
-        additional["engram_peer_group"] = peer_group_settings(a)
+        additional["engram_peer_group"] = peer_group_settings(a, getattr(self, "dp_rank", 0))
         additional[PROCESS_METRICS_KEY] = {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),
@@ -158,7 +162,7 @@ class EngramServerMixin:
                                              app.serving.metrics_bind_address,
                                              app.serving.metrics_port,
                                              advertise_host=ray.util.get_node_ip_address())
-        await self._registry.register_target.remote(self._replica_id,
+        await self._coordinator.register_target.remote(self._replica_id,
                                                     self._metrics_server.target)
         self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
             app.deployment.peer_group_store, app.deployment.name))
@@ -187,7 +191,7 @@ class EngramServerMixin:
             with open(self._model_target_file) as f:
                 target = json.load(f)["target"]
             os.unlink(self._model_target_file)
-            await self._registry.register_target.remote(f"{self._replica_id}/model", target)
+            await self._coordinator.register_target.remote(f"{self._replica_id}/model", target)
 
     async def _attach_stat_logger(self) -> None:
         """KV-cache capacity (`self.kv_cache_capacity`, its source in the replica's log) and
@@ -214,25 +218,36 @@ class EngramServerMixin:
         if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
             self._segments_recorded_at = time.monotonic()
             await asyncio.to_thread(record_segments, self._replica_id)
-        is_current, reason = await self._registry.is_current.remote(self._replica_id)
-        if not is_current:
-            self.engram_metrics.set_group(self._assignment["generation_index"], False)
-            raise GroupMovedError(f"engine {self._replica_id} left its peer group: {reason}; "
-                                  "Serve restarts it to join the new generation")
 
-    async def _leave(self, reason: str) -> None:
+    async def completions(self, request, raw_request_info=None):
+        stream = await super().completions(request, raw_request_info)
+        return _tag_generation(stream, self._assignment["generation"])
+
+    async def chat(self, request, raw_request_info=None):
+        stream = await super().chat(request, raw_request_info)
+        return _tag_generation(stream, self._assignment["generation"])
+
+    @classmethod
+    def get_deployment_options(cls, llm_config):
+        options = super().get_deployment_options(llm_config)
+        # The group's gang options (engram_ray.serve) place it; Serve refuses a per-replica
+        # strategy beside a gang.
+        options.pop("placement_group_strategy", None)
+        return options
+
+    async def _leave(self) -> None:
         server = getattr(self, "_metrics_server", None)
         if server is not None:
             server.stop()
             self._metrics_server = None
         try:
-            await self._registry.leave.remote(self._replica_id, reason)
-        except Exception:  # registry gone with the application: nothing to tell
+            await self._coordinator.leave.remote(self._replica_id)
+        except Exception:  # coordinator gone with the application: nothing to tell
             pass
 
     async def __del__(self):
-        if getattr(self, "_registry", None) is not None:
-            await self._leave("replica stopped")
+        if getattr(self, "_coordinator", None) is not None:
+            await self._leave()
         try:
             await super().__del__()
         finally:
@@ -255,5 +270,47 @@ class EngramLLMServer(EngramServerMixin, LLMServer):
 
 
 class EngramDPServer(EngramServerMixin, DPServer):
-    """One data-parallel rank per replica (DEP2: gangs of 2 with expert parallelism)."""
+    """One data-parallel rank per replica (DEP2: data-parallel gangs of 2 with expert
+    parallelism), nested in its peer group's gang: peer rank r is DP rank r % D of DP gang
+    r // D, so a DP gang never straddles two peer groups.
+
+    NOTES: `DPServer.__init__` takes the DP rank, size and gang from the Serve gang, which here
+    is the whole peer group; this constructor does what it does (DP master through
+    `GangMasterInfoRegistry`, the replica's bundle for vLLM) for the nested DP gang."""
+
+    async def __init__(self, llm_config, *, engine_cls=None, model_downloader=None):
+        import ray
+        from ray import serve
+        from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import (
+            GangMasterInfoRegistry)
+        from ray.util.collective.collective import get_address_and_port
+
+        gang = serve.get_replica_context().gang_context
+        self.dp_size = llm_config.engine_kwargs["data_parallel_size"]
+        self.dp_rank = gang.rank % self.dp_size
+        self.gang_id = f"{gang.gang_id}-dp{gang.rank // self.dp_size}"
+        if self.dp_rank == 0:
+            address, port = get_address_and_port()
+            GangMasterInfoRegistry.register(self.gang_id, address, port,
+                                            ray.get_runtime_context().get_node_id())
+        else:
+            address, port, _ = await GangMasterInfoRegistry.get(self.gang_id)
+        llm_config.update_engine_kwargs(data_parallel_rank=self.dp_rank,
+                                        data_parallel_address=address,
+                                        data_parallel_rpc_port=port)
+        # Serve puts peer rank r on bundles [r * B, (r + 1) * B) of the gang's group.
+        num_bundles = len(llm_config.get_engine_config().placement_bundles)
+        os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(
+            str(gang.rank * num_bundles + i) for i in range(num_bundles))
+        await LLMServer.__init__(self, llm_config, engine_cls=engine_cls,
+                                 model_downloader=model_downloader)
+
+
+async def _tag_generation(stream, generation: str):
+    """The engine's answers with `system_fingerprint` = the generation that produced them
+    (whole responses; stream chunks are passed as they are)."""
+    async for item in stream:
+        if hasattr(item, "system_fingerprint"):
+            item.system_fingerprint = generation
+        yield item
 

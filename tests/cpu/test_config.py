@@ -37,7 +37,6 @@ def test_config_is_frozen():
      "num_cpus_per_engine"),
     (dict(num_gpus_per_engine=0), "table_backend"),
     (dict(domain_label_key=""), "domain_label_key"),
-    (dict(max_peer_groups=0), "max_peer_groups"),
     (dict(handle_type="nvlink"), "handle_type"),
     (dict(handle_type="posix_fd", table_backend="shm", num_gpus_per_engine=0), "handle_type"),
 ])
@@ -87,3 +86,11 @@ def test_config_errors_survive_pickling():
     assert type(copy) is ConfigError and copy.field == "serving.metrics_port"
     assert str(copy) == str(error) == ("serving.metrics_port: is 9400, but 127.0.0.1:9400 is "
                                        "taken (expected metrics_port 0)")
+
+
+@pytest.mark.parametrize("key,instead", [("max_peer_groups", "serving.num_peer_groups"),
+                                         ("seed", "load_format 'dummy'")])
+def test_retired_settings_are_refused_naming_what_to_use(key, instead):
+    """Settings the Serve path has no use for are refused by name, not accepted and ignored."""
+    with pytest.raises(ConfigError, match=f"{key}: is no longer a setting.*{instead}"):
+        DeploymentConfig.from_dict({key: 1}, "deployment")

@@ -251,22 +251,3 @@ def test_group_of_different_requests_fails_naming_them(tmp_path, gpu):
     for rank in (0, 1):
         assert isinstance(outcome[rank], (PeerMemoryError, RendezvousError)), outcome
         assert "by rank: {0: 'posix_fd', 1: 'fabric'}" in str(outcome[rank])
-
-
-def test_ray_member_passes_the_deployment_request(tmp_path, gpu, monkeypatch):
-    """The Ray path: DeploymentConfig.handle_type reaches the backend through EngineMember's
-    assignment (the GPU here cannot use FABRIC, so the request fails there, naming it)."""
-    from engram_ray.assignment import make_assignments
-    from engram_ray.config import DeploymentConfig
-    from engram_ray.member import GroupMember
-
-    gpu.usable = ("posix_fd",)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the member's device "cuda"
-    config = DeploymentConfig(name="t", model="tiny", peer_group_size=2, handle_type="fabric",
-                              peer_group_store=str(tmp_path / "store"))
-    assignment = make_assignments(TINY, "A-g0", 2, "t-A-g0.1.x", 1,
-                                  str(tmp_path / "store" / "t-A-g0.1.x"))[0]
-    member = GroupMember(TINY, config)
-    with pytest.raises(PeerMemoryError, match="handle_type 'fabric' was requested but GPU 0"):
-        member.build(assignment)
-    assert member.health()["state"] == "failed"

@@ -221,11 +221,19 @@ def test_100_concurrent_streams_without_failure(local):
 
 
 def test_killed_engine_restarts_its_group_and_serving_resumes(local):
+    """One engine killed under load: Serve stops its whole group (the survivor too) and starts
+    a new gang; answers, each tagged with the generation that produced it, never come from
+    the old generation once the new one has answered."""
     import ray
+
+    from engram_ray.serving.loadgen import check_generation_order, probe_generations
 
     if ray.is_initialized():  # a driver left by an earlier module would refuse a second init
         ray.shutdown()
     ray.init(address=local.ray_address, log_to_driver=False)
+    stop, probe = threading.Event(), {}
+    prober = threading.Thread(target=lambda: probe.update(answers=probe_generations(
+        f"{local.url}/v1", MODEL, stop)))
     try:
         replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
                     if "EngramLLMServer" in a["name"]]
@@ -234,18 +242,27 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
         in_flight = {}
         loader = threading.Thread(target=lambda: in_flight.update(report=run_load(
             f"{local.url}/v1", MODEL, num_streams=20, max_tokens=300, timeout_s=120)))
+        prober.start()
         loader.start()
         time.sleep(1.0)
         killed_at = time.monotonic()
         ray.kill(victim, no_restart=True)
         loader.join(180)
         recovered_s = _wait_until_serving_generation(local, 2, timeout_s=600) - killed_at
+        time.sleep(2)  # a few answers from the new generation
+        now = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "EngramLLMServer" in a["name"]}
     finally:
+        stop.set()
+        prober.join(120)
         ray.shutdown()
     failures = in_flight["report"].failures
     print(f"recovered after {recovered_s:.0f} s; {len(failures)} of 20 in-flight streams failed:"
           f" {sorted({f.error for f in failures})}")
     assert all(f.error for f in failures)  # a failure says what happened
+    (order,) = check_generation_order(probe["answers"]).values()
+    assert len(order) == 2 and order[1].split(".")[1] == "2", order
+    assert len(now) == 2 and now.isdisjoint(a["name"] for a in replicas)  # survivor replaced too
 
 
 def test_engine_core_killed_just_before_a_status_line_keeps_the_deployment(local):

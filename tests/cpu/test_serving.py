@@ -1,16 +1,18 @@
-"""The Serve app's parts without vLLM: the LLMConfig the builders get, and the GroupRegistry's
-rank/generation protocol on a real local Ray (engines stood in by plain actors that can die)."""
+"""The Serve app's parts without vLLM: the LLMConfig the builders get, the coordinator's
+generation protocol on a real local Ray, and the application `build_app` assembles.
+(Placement across NVLink domains and group restarts: tests/cpu/test_placement.py.)"""
 
 import json
-import time
+import os
 from pathlib import Path
 
 import pytest
 
-from engram_ray.serve import engine_kwargs, llm_config
+from engram_ray.grouping import Domain, PeerGroupPlan
+from engram_ray.serve import engine_kwargs, llm_config, server_class
 from engram_ray.serving.cluster_configs import load_serve_config
-from engram_ray.serving.server import (APP_CONFIG_KEY, EngramDPServer, EngramLLMServer,
-                                       peer_group_settings)
+from engram_ray.serving.server import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
+                                       EngramLLMServer, peer_group_settings)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 
@@ -19,64 +21,58 @@ def app_config(name: str):
     return next(iter(load_serve_config(CONFIGS / name).values()))
 
 
-def test_local_llm_config_is_two_cpu_engine_replicas():
+GROUP = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
+
+
+def _raw(name: str, tmp_path, deployment_name: str) -> dict:
+    raw = app_config(name).to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name=deployment_name)
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
+    raw["deployment"]["model"] = "deepseek-v4.1-flash"  # the coordinator's layout: a preset
+    return raw
+
+
+def test_local_llm_config_is_one_cpu_bundle_per_engine():
     app = app_config("serve_local_tiny.yaml")
-    config = llm_config(app)
-    assert config.server_cls is EngramLLMServer
-    assert config.deployment_config["num_replicas"] == 2
+    config = llm_config(app, GROUP)
+    assert server_class(app) is EngramLLMServer
     assert config.placement_group_config == {"bundles": [{"CPU": 1.0}]}
     assert config.log_engine_metrics is False  # vllm:* go to the engine's own /metrics
+    dep = app.deployment  # max_missed_pings intervals per health check
+    assert config.deployment_config["health_check_timeout_s"] == (
+        dep.health_check_interval_s * dep.max_missed_pings)
     kwargs = config.engine_kwargs
     assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (1, 1)
     assert kwargs["enable_prefix_caching"] is False and kwargs["max_model_len"] == 512
     assert config.experimental_configs[APP_CONFIG_KEY] == app.to_dict()
+    assert config.experimental_configs[GROUP_KEY] == {"group_id": "group-0",
+                                                      "domain_id": "rack-0"}
 
 
 def test_deepseek_llm_config_is_dep2_on_gpus():
     app = app_config("serve_deepseek_v41_flash.yaml")
-    config = llm_config(app)
-    assert config.server_cls is EngramDPServer
+    config = llm_config(app, GROUP)
+    assert server_class(app) is EngramDPServer
     assert config.placement_group_config == {"bundles": [{"GPU": 1.0, "CPU": 8.0}]}
-    assert config.deployment_config["num_replicas"] == 36  # DEP2 gangs: 9 groups x 4
     kwargs = engine_kwargs(app)
     assert (kwargs["data_parallel_size"], kwargs["enable_expert_parallel"]) == (2, True)
     assert kwargs["gpu_memory_utilization"] == 0.92
 
 
-class _Unreachable:
-    """A replica handle whose ping fails as `raise_error` says (no Ray needed)."""
-
-    def __init__(self, error):
-        self.__ray_ready__ = type("Method", (), {"remote": staticmethod(self._raise)})()
-        self._error = error
-
-    def _raise(self):
-        raise self._error
-
-
-def test_replica_peer_settings_carry_a_requested_handle_type():
+def test_replica_peer_settings_carry_a_requested_handle_type_and_the_dp_base_rank():
     """A deployment's handle_type reaches the engine's `additional_config.engram_peer_group`
-    (validated there: CUDA types need backend cuda); none is passed when unset."""
+    (validated there: CUDA types need backend cuda); none is passed when unset. A DP rank's
+    `rank` is the member of DP rank 0 of its gang (the plugin adds the DP rank)."""
     from engram_ray.models.peer_settings import PeerGroupSettings
 
-    assignment = {"group_id": "A-g0", "rank": 1, "member_rank": 1, "size": 2,
+    assignment = {"group_id": "A-g0", "member_rank": 3, "size": 8,
                   "generation": "t-A-g0.1.x", "generation_index": 1, "store": "/tmp/s",
                   "timeout_s": 30.0, "backend": "cuda", "handle_type": "posix_fd"}
-    settings = peer_group_settings(assignment)
-    assert settings["handle_type"] == "posix_fd"
+    settings = peer_group_settings(assignment, dp_rank=1)
+    assert settings["handle_type"] == "posix_fd" and settings["rank"] == 2
+    assert PeerGroupSettings(**settings).for_dp_rank(1, 2).rank == 3
     assert PeerGroupSettings(**settings).to_spec().handle_type == "posix_fd"
     assert "handle_type" not in peer_group_settings({**assignment, "handle_type": None})
-
-
-def test_liveness_watch_takes_only_a_dead_actor_for_dead():
-    """A transient `ActorUnavailableError` (a RayActorError subclass) must not restart the
-    whole peer group; `ActorDiedError` must."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError
-
-    from engram_ray.serving.groups import _is_alive
-
-    assert _is_alive(_Unreachable(ActorUnavailableError("node unreachable", None)), 1.0)
-    assert not _is_alive(_Unreachable(ActorDiedError()), 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -89,127 +85,87 @@ def ray_local():
     ray.shutdown()
 
 
-def test_registry_hands_out_ranks_and_restarts_a_group_when_a_member_dies(ray_local, tmp_path):
+def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_local, tmp_path):
     ray = ray_local
-    from engram_ray.serving.groups import get_registry
+    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.generations import GroupMismatchError
 
-    app = app_config("serve_local_tiny.yaml")
-    raw = app.to_dict()
-    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="t",
-                             health_check_interval_s=0.2)
-    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
-    registry = get_registry(raw, "t")
-
-    @ray.remote(num_cpus=0)
-    class Member:
-        def ping(self):
-            return True
-
-    members = [Member.remote() for _ in range(3)]
-    first = [ray.get(registry.join.remote(f"m{i}", members[i])) for i in range(2)]
-    assert [a["rank"] for a in first] == [0, 1]
+    raw = _raw("serve_local_tiny.yaml", tmp_path, "gens")
+    coordinator = get_coordinator(raw, {"group-0": "node-a"}, "gens")
+    first = [ray.get(coordinator.join.remote("group-0", "gang1", r, 2, f"m{r}")) for r in (1, 0)]
     assert {a["generation"] for a in first} == {first[0]["generation"]}
-    assert Path(first[0]["store"]).is_dir() and first[0]["backend"] == "shm"
-    assert first[0]["handle_type"] is None
-    with pytest.raises(ray.exceptions.RayTaskError, match="found no free rank"):
-        ray.get(registry.join.remote("m2", members[2]))
-    ray.get(registry.register_target.remote("m0", "127.0.0.1:1"))
-    ray.get(registry.register_target.remote("m1", "127.0.0.1:2"))
-
-    ray.kill(members[0])
-    deadline = time.monotonic() + 30
-    while ray.get(registry.is_current.remote("m1"))[0] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    is_current, reason = ray.get(registry.is_current.remote("m1"))
-    assert not is_current and "moved to generation 2 (m0 died)" in reason
-    assert not Path(first[0]["store"]).exists()  # the old generation's store is removed
-    assert json.loads((tmp_path / "targets.json").read_text()) == []
-    second = [ray.get(registry.join.remote(f"n{i}", members[i + 1])) for i in range(2)]
-    assert [a["rank"] for a in second] == [0, 1]
-    assert {a["generation_index"] for a in second} == {2}
-    status = ray.get(registry.status.remote())["group-0"]
-    assert status["history"] == [(1, "m0 died")]
-    ray.kill(registry)
+    assert [a["generation_index"] for a in first] == [1, 1] and os.path.isdir(first[0]["store"])
+    slices = [a["slices"] for a in sorted(first, key=lambda a: a["member_rank"])]
+    assert slices[0][0][1] == 0 and slices[0][0][2] == slices[1][0][1]  # rank 1 starts where 0 ends
+    ray.get(coordinator.register_target.remote("m0", "127.0.0.1:1"))
+    second = ray.get(coordinator.join.remote("group-0", "gang2", 0, 2, "n0"))
+    assert second["generation_index"] == 2 and second["generation"] != first[0]["generation"]
+    assert not os.path.exists(first[0]["store"]) and os.path.isdir(second["store"])
+    assert json.loads((tmp_path / "targets.json").read_text()) == []  # m0's gang is gone
+    status = ray.get(coordinator.status.remote())["group-0"]
+    assert status["gang_id"] == "gang2" and [h[:2] for h in status["history"]] == [(1, "gang1")]
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(coordinator.join.remote("group-0", "gang3", 0, 4, "x"))
+    assert isinstance(info.value.cause, GroupMismatchError)
+    ray.kill(coordinator)
 
 
-def test_registry_left_by_an_earlier_deployment_is_reused_replaced_or_refused(ray_local,
-                                                                               tmp_path):
-    """Registries are detached: one made with other settings must not hand out stale ranks."""
+def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_refused(ray_local,
+                                                                                  tmp_path):
+    """Coordinators are detached: one made with other settings must not hand out stale
+    generations."""
     ray = ray_local
+    from engram_ray.actors.coordinator import get_coordinator
     from engram_ray.errors import EngramRayError
-    from engram_ray.serving.groups import get_registry
 
-    raw = app_config("serve_local_tiny.yaml").to_dict()
-    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="redeploy")
-    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
-    first = get_registry(raw, "redeploy")
-    assert get_registry(raw, "redeploy")._actor_id == first._actor_id   # same settings: reused
+    raw = _raw("serve_local_tiny.yaml", tmp_path, "redeploy")
+    groups = {"group-0": "node-a"}
+    first = get_coordinator(raw, groups, "redeploy")
+    assert get_coordinator(raw, groups, "redeploy")._actor_id == first._actor_id  # reused
     changed = json.loads(json.dumps(raw))
     changed["deployment"]["health_check_interval_s"] = 7.0
-    second = get_registry(changed, "redeploy")                            # no members: replaced
+    second = get_coordinator(changed, groups, "redeploy")                # no members: replaced
     assert second._actor_id != first._actor_id
-    assert ray.get(second.describe.remote()) == (changed, 0)
-
-    @ray.remote(num_cpus=0)
-    class Member:
-        def ping(self):
-            return True
-
-    member = Member.remote()
-    ray.get(second.join.remote("m0", member))
+    assert ray.get(second.describe.remote()) == ((changed, groups), 0)
+    ray.get(second.join.remote("group-0", "g", 0, 2, "m0"))
     with pytest.raises(EngramRayError, match="still has 1 members"):
-        get_registry(raw, "redeploy")                                     # members: refused
+        get_coordinator(raw, groups, "redeploy")                          # members: refused
     ray.kill(second)
-    ray.kill(member)
 
 
-def test_group_still_moves_when_the_targets_list_cannot_be_written(ray_local, tmp_path):
-    """A failed write of the Prometheus list (secondary) must neither stop the liveness watch
-    nor keep a group on a generation with a dead member."""
+def test_generations_still_move_when_the_targets_list_cannot_be_written(ray_local, tmp_path):
     ray = ray_local
-    from engram_ray.serving.groups import get_registry
+    from engram_ray.actors.coordinator import get_coordinator
 
-    raw = app_config("serve_local_tiny.yaml").to_dict()
-    (tmp_path / "not-a-dir").write_text("")
-    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="unwritable",
-                             health_check_interval_s=0.2)
-    raw["serving"].update(prometheus_targets_file=str(tmp_path / "not-a-dir" / "t.json"))
-    registry = get_registry(raw, "unwritable")
-
-    @ray.remote(num_cpus=0)
-    class Member:
-        pass
-
-    members = [Member.remote() for _ in range(2)]
-    for i in range(2):
-        ray.get(registry.join.remote(f"m{i}", members[i]))
-    ray.kill(members[0])
-    deadline = time.monotonic() + 30
-    while ray.get(registry.is_current.remote("m1"))[0] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert "moved to generation 2 (m0 died)" in ray.get(registry.is_current.remote("m1"))[1]
-    ray.kill(registry)
+    raw = _raw("serve_local_tiny.yaml", tmp_path, "unwritable")
+    (tmp_path / "ro").mkdir(mode=0o500)
+    raw["serving"]["prometheus_targets_file"] = str(tmp_path / "ro" / "sub" / "targets.json")
+    coordinator = get_coordinator(raw, {"group-0": "node-a"}, "unwritable")
+    ray.get(coordinator.join.remote("group-0", "g1", 0, 2, "m0"))
+    ray.get(coordinator.register_target.remote("m0", "127.0.0.1:1"))
+    assert ray.get(coordinator.join.remote("group-0", "g2", 0, 2, "m1"))["generation_index"] == 2
+    ray.kill(coordinator)
 
 
 def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_path):
-    """A replica failing after it took a rank (here: its fixed metrics port is taken on the
-    node) leaves its group itself, with the cause, instead of holding the rank until the
-    liveness watch finds its actor dead. The replica is the real `EngramServerMixin.start`
-    in a Ray actor; only Serve's replica context and the vLLM engine are stood in for."""
+    """A replica failing after it joined (here: its fixed metrics port is taken on the node)
+    leaves the coordinator itself, with the cause. The replica is the real
+    `EngramServerMixin.start` in a Ray actor; only Serve's replica context (its gang) and the
+    vLLM engine are stood in for."""
     ray = ray_local
+    from types import SimpleNamespace
+
+    from engram_ray.actors.coordinator import get_coordinator
     from engram_ray.serving.config import ServeAppConfig
     from engram_ray.serving.exposition import MetricsServer
-    from engram_ray.serving.groups import get_registry
     from engram_ray.serving.server import EngramServerMixin
 
     taken = MetricsServer([], "127.0.0.1", 0)
-    raw = app_config("serve_local_tiny.yaml").to_dict()
-    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="taken-port",
-                             peer_group_size=1)  # a fixed port: one engine per node
-    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"),
-                          metrics_bind_address="127.0.0.1", metrics_port=taken.port)
-    config = llm_config(ServeAppConfig.from_dict(raw, "test"))
-    registry = get_registry(raw, "taken-port")
+    raw = _raw("serve_local_tiny.yaml", tmp_path, "taken-port")
+    raw["deployment"].update(peer_group_size=1)  # a fixed port: one engine per node
+    raw["serving"].update(metrics_bind_address="127.0.0.1", metrics_port=taken.port)
+    config = llm_config(ServeAppConfig.from_dict(raw, "test"), GROUP)
+    coordinator = get_coordinator(raw, {"group-0": "rack-0"}, "taken-port")
 
     class NoEngine:
         async def start(self):
@@ -221,7 +177,7 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
             self._llm_config = llm_config
 
         def _replica(self):
-            return "replica-0", ray.get_runtime_context().current_actor, {}
+            return "replica-0", SimpleNamespace(gang_id="g1", rank=0, world_size=1), {}
 
         def __del__(self):  # Serve awaits the mixin's async __del__; a plain actor cannot
             pass
@@ -230,57 +186,34 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="is taken on this node"):
             ray.get(replica.start.remote())
-        assert ray.get(registry.is_current.remote("replica-0"))[0] is False
-        (index, reason), = ray.get(registry.status.remote())["group-0"]["history"]
-        assert index == 1 and reason.startswith(
-            "replica-0: replica failed to start: ConfigError: serving.metrics_port: is "
-            f"{taken.port}, but 127.0.0.1:{taken.port} is taken on this node")
+        status = ray.get(coordinator.status.remote())["group-0"]
+        assert status["generation_index"] == 1 and status["members"] == {}
     finally:
         taken.stop()
         ray.kill(replica)
-        ray.kill(registry)
+        ray.kill(coordinator)
 
 
-def test_registry_gives_data_parallel_gangs_aligned_blocks(ray_local, tmp_path):
-    """DEP2 in a group of 8: a gang's DP rank d is member base + d (the plugin's convention)."""
+def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, tmp_path):
+    """The local YAML on one node (a CPU domain): one group deployment, a gang of 2 whose
+    bundles are label-selected to that node, behind the peer-group ingress."""
     ray = ray_local
-    from engram_ray.serving.groups import get_registry
-
-    raw = app_config("serve_deepseek_v41_flash.yaml").to_dict()
-    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="dep2")
-    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
-    registry = get_registry(raw, "dep2")
-    me = registry  # any live actor handle stands in for a replica here
-
-    def join(replica, gang, dp_rank):
-        return ray.get(registry.join.remote(replica, me, "rack-0", gang_id=gang,
-                                            dp_rank=dp_rank, dp_size=2))
-
-    got = [join("a1", "gang-a", 1), join("b0", "gang-b", 0), join("a0", "gang-a", 0),
-           join("b1", "gang-b", 1)]
-    assert [(a["rank"], a["member_rank"]) for a in got] == [(0, 1), (2, 2), (0, 0), (2, 3)]
-    assert {a["group_id"] for a in got} == {"group-0"} and got[0]["size"] == 8
-    other_rack = ray.get(registry.join.remote("c0", me, "rack-1", gang_id="gang-c",
-                                              dp_rank=0, dp_size=2))
-    assert other_rack["group_id"] == "group-1"  # a group never spans two NVLink domains
-    ray.kill(registry)
-
-
-@pytest.mark.parametrize("name,engine,num_replicas,gang_size", [
-    ("serve_local_tiny.yaml", "EngramLLMServer:engram-tiny", 2, None),
-    ("serve_deepseek_v41_flash.yaml", "EngramDPServer:deepseek-v4_1-flash", 72, 2)])
-def test_build_app_puts_engram_engines_behind_the_openai_ingress(ray_local, name, engine,
-                                                                  num_replicas, gang_size):
+    from engram_ray.actors.coordinator import find_coordinator
     from engram_ray.serve import build_app
-    from engram_ray.serving.cluster_configs import read_yaml
 
-    app = build_app(read_yaml(CONFIGS / name)["applications"][0]["args"])
+    raw = _raw("serve_local_tiny.yaml", tmp_path, "built")
+    app = build_app(raw)
     ingress = app._bound_deployment
-    assert ingress.name == "OpenAiIngress" and ingress.ray_actor_options["num_cpus"] == 0
-    engines = next(iter(ingress.init_kwargs["llm_deployments"].values()))._bound_deployment
-    assert (engines.name, engines.num_replicas) == (engine, num_replicas)  # 72 GPUs for DEP2
-    gang = engines._deployment_config.gang_scheduling_config
-    assert (gang.gang_size if gang else None) == gang_size
+    assert ingress.name == "PeerGroupIngress" and ingress.ray_actor_options["num_cpus"] == 0
+    (group,) = ingress.init_kwargs["peer_groups"]["engram-tiny"]
+    engines = group._bound_deployment
+    assert (engines.name, engines.num_replicas) == ("EngramLLMServer:built:group-0", 2)
+    config = engines._deployment_config
+    assert config.gang_scheduling_config.gang_size == 2
+    node_id = ray.get_runtime_context().get_node_id()
+    assert engines._replica_config.placement_group_bundle_label_selector == [
+        {"ray.io/node-id": node_id}]
+    ray.kill(find_coordinator("built"))
 
 
 def test_local_command_is_registered_with_its_options(capsys):
