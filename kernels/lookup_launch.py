@@ -11,6 +11,8 @@ NOTES:
   a cache-key hash, launch hooks); the decisions it makes depend only on what the entry key
   holds (argument dtypes, 16-byte pointer alignment, constexprs; the three ints are not
   specialized), so a compiled kernel found once is launched directly after that.
+- Sorted lookups order their ids through `GraphSort` (kernels/lookup_order.py): torch.sort
+  replayed from a CUDA graph, 16.5-18 us of host time instead of 69-76 us.
 - vLLM hands each layer's hashes as a column slice of `[T, L, C]` int32: the kernel reads them
   through their token stride (IDS_COLS), so no id is converted or copied before the launch.
 """
@@ -26,6 +28,7 @@ import triton
 
 from engram_ray.host_memory import is_huge_page_backed
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel
+from engram_ray.kernels.lookup_order import GraphSort
 from engram_ray.kernels.lookup_policy import (SORT_MIN_ROWS, TILE_POLICY, choose_block_rows,
                                               split_words, tile_config)
 from engram_ray.reference import row_bytes_for
@@ -162,8 +165,9 @@ class LookupLauncher:
         self._sort_min_rows = SORT_MIN_ROWS[self.placement]
         self._launches: dict[tuple, _Launch] = {}
         self._hooks = _launch_hooks()
-        self._stream = self._current_device = None
+        self._stream = self._current_device = self._graph_sort = None
         if self.device.type == "cuda":
+            self._graph_sort = GraphSort()
             from triton.runtime import driver
             self._stream = driver.active.get_current_stream
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -214,7 +218,9 @@ class LookupLauncher:
                              f"{tuple(row_ids.shape) + (width,)} output and ids on {self.device}")
         ids = dst_rows = row_ids
         if launch.is_sorted:
-            ids, dst_rows = row_ids.reshape(-1).sort()
+            ordered = (self._graph_sort(row_ids, self._stream(device_index))
+                       if self._graph_sort is not None else None)
+            ids, dst_rows = ordered or row_ids.reshape(-1).sort()
             ids_stride = 0
         num_programs = min(-(-num_rows // launch.block_rows), launch.max_programs)
         args = (self.src, ids, dst_rows, out, num_rows, self.rows_per_rank, num_programs,

@@ -83,8 +83,8 @@ TILE_CONFIGS = {
             128: TileConfig(128, 1, 8, prefetch=True)},
     "peer": {16: TileConfig(16, 16, 4, rows_32=True, split_bytes=128),
              128: TileConfig(128, 1, 8, True, rows_32=True)},
-    "host": {16: TileConfig(16, 4, 4, True, split_bytes=128),
-             128: TileConfig(128, 8, 8, True, split_bytes=128)},
+    "host": {16: TileConfig(16, 1, 2, True),
+             128: TileConfig(128, 16, 8, True, split_bytes=128)},
     "host_thp": {16: TileConfig(16, 4, 4, True, split_bytes=128),
                  128: TileConfig(128, 1, 8, True, split_bytes=128)},
 }
@@ -92,6 +92,18 @@ TILE_CONFIGS = {
 # lookups with 128-row tiles were 5-16% faster at 262K rows, 11% slower at 64K, and from 1M
 # rows 0.4-3% faster in 12 of 16 (size, output, page size, run) cases, at most 1.1% slower in
 # the other four: 128-row tiles from 262K rows on.
+# NOTES (small-page host tables, against vLLM 0.33's sorted launch in the same run, the lookup
+# as the model calls it; results/lookup_host_vs_vllm_h200_beabf19.md): sorted 65K-row lookups
+# read 11 GB/s of the 55 GB/s host-to-device ceiling (bound by address translation, not by
+# PCIe): fewer rows in flight touch fewer pages at once; one 16-row program per SM (vLLM's
+# own grid) with 2 warps and the register prefetch, loads uncut: 1.583 / 1.588 ms (packed / bf16) vs vLLM's 1.600 / 1.660
+# and 1.714 / 1.668 with 4 programs per SM and cut loads (unsorted 16K rows: equal, 0.568).
+# From 262K rows the sorted reads stream (45 GB/s at 1.57M rows): 16 programs of 128 rows
+# per SM (8 resident at 8 warps; a program then holds about one tile at 262K rows, so the
+# hardware balances the tail): 2.92 / 2.88 ms vs 3.06 / 3.07 with 8 per SM at 262K rows,
+# 0.1-0.2% faster from 1M rows. There no launch of the 100 swept reaches vLLM's sorted launch
+# (best 9.280 vs 9.180 ms at 1.57M rows, 0.6-1.3% slower from 1M rows); a likely cause, not
+# measured: 264-byte rows cross a 4 KiB page 6% of the time, vLLM's 256-byte value rows never.
 TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, NEVER),
                "host_thp": (262152, NEVER)}
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads

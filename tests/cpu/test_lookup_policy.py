@@ -60,12 +60,15 @@ def test_cache_hints_default_to_none_and_unknown_ones_are_refused():
 def test_split_loads_are_sector_or_line_and_validated():
     """Cut row loads (TileConfig.split_bytes): 0, a 32-byte sector or a 128-byte line; the
     committed launches cut them where measured faster (peer and host: line; HBM packed: sector,
-    bf16 output whole)."""
+    bf16 output whole; small-page host 16-row tiles: whole)."""
     assert TileConfig(16, 8, 4).split_bytes == 0
     assert TILE_CONFIGS["peer"][16].split_bytes == 128
     assert TILE_CONFIGS["hbm"][16].split_bytes == 32 and not TILE_CONFIGS["hbm"][16].split_bf16
-    for placement in ("host", "host_thp"):
-        assert {c.split_bytes for c in TILE_CONFIGS[placement].values()} == {128}
+    assert {c.split_bytes for c in TILE_CONFIGS["host_thp"].values()} == {128}
+    # small-page host tables: 128-row tiles cut at the line; 16-row tiles (sorted 65K-row
+    # lookups, translation-bound) uncut (measured against vLLM 0.33, kernels/lookup_policy.py)
+    assert (TILE_CONFIGS["host"][16].split_bytes, TILE_CONFIGS["host"][128].split_bytes) == (
+        0, 128)
     with pytest.raises(ValueError, match=r"split_bytes is 64; expected one of \(0, 32, 128\)"):
         TileConfig(16, 8, 4, split_bytes=64)
 

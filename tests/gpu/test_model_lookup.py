@@ -133,3 +133,26 @@ def test_metered_lookups_do_not_wait_for_the_gpu(hbm_table, host_table, monkeypa
     rows = {s.labels["rows"]: s.value for s in metrics.rows_total.collect()[0].samples
             if s.name.endswith("_total")}
     assert rows == {"local": 3 * local, "remote": 3 * (valid - local)}
+
+
+def test_sorted_host_lookups_order_ids_through_replayed_graphs(hbm_table, host_table):
+    """Sorted host lookups (kernels/lookup_order.py): sizes shrinking inside one padded bucket
+    (the pads of a larger call must not leak into a smaller one), a larger bucket, int64 ids,
+    and a call on another stream; each bit-exact, each size class on a replayed graph."""
+    reader = _reader("host", hbm_table, host_table)
+    side = torch.cuda.Stream()
+    cases = [(2000, torch.int32, None), (1400, torch.int32, None), (2731, torch.int32, None),
+             (1500, torch.int64, None), (1700, torch.int32, side), (1400, torch.int32, None)]
+    for seed, (tokens, dtype, stream) in enumerate(cases):
+        hashes = torch.empty(tokens, NUM_LAYERS, NUM_COLS, dtype=dtype, device="cuda:0")
+        ids = _fill_hashes(hashes, 1, 500 + seed)
+        staged = poisoned((tokens, NUM_COLS), "packed")
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            reader(hashes[:, 1], staged)
+        torch.cuda.synchronize()
+        assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, "packed"))
+    graphs = reader._read._graph_sort._graphs
+    assert set(graphs) == {(1 << 16, torch.int32), (1 << 17, torch.int32),
+                           (1 << 16, torch.int64)}
