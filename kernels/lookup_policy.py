@@ -96,8 +96,9 @@ TILE_CONFIGS = {
 # as the model calls it; results/lookup_host_vs_vllm_h200_beabf19.md): sorted 65K-row lookups
 # read 11 GB/s of the 55 GB/s host-to-device ceiling (bound by address translation, not by
 # PCIe): fewer rows in flight touch fewer pages at once; one 16-row program per SM (vLLM's
-# own grid) with 2 warps and the register prefetch, loads uncut: 1.583 / 1.588 ms (packed / bf16) vs vLLM's 1.600 / 1.660
-# and 1.714 / 1.668 with 4 programs per SM and cut loads (unsorted 16K rows: equal, 0.568).
+# own grid) with 2 warps and the register prefetch, loads uncut: 1.583 / 1.588 ms (packed /
+# bf16) vs vLLM's 1.600 / 1.660 and 1.714 / 1.668 with 4 programs per SM and cut loads
+# (unsorted 16K rows: equal, 0.568).
 # From 262K rows the sorted reads stream (45 GB/s at 1.57M rows): 16 programs of 128 rows
 # per SM (8 resident at 8 warps; a program then holds about one tile at 262K rows, so the
 # hardware balances the tail): 2.92 / 2.88 ms vs 3.06 / 3.07 with 8 per SM at 262K rows,
