@@ -8,7 +8,8 @@ Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 
 - `patch`: `engram_ray.table_lookup.TableLookup`, the function the DeepSeek patch calls, on
   int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer.
 Modes: `gpu` (device events per launch, launches queued behind a sleep kernel, L2 flushed),
-`eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock);
+`eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock;
+both in rounds interleaving the callables);
 id sets rotate so no launch rereads a recent one's rows (benchmarks/lookup_timing.py). Host
 time per call: mean over back-to-back calls while the GPU is held by a sleep kernel.
 Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run.
@@ -37,6 +38,7 @@ from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # n
 
 TOKENS = [64, 683, 2731, 10923, 43691, 65536]  # 1.5K, 16K, 65K, 262K, 1M, 1.57M rows
 NUM_LAYERS = 2
+ROUNDS = 3  # eager and graph samples: rounds interleaving the callables
 WIDTH = {"packed": ROW_BYTES, "bf16": HEAD_DIM}
 DTYPE = {"packed": torch.uint8, "bf16": torch.bfloat16}
 
@@ -119,16 +121,26 @@ def bitwise_equal(case, fns, tokens, out_kind) -> bool:
 
 
 def time_modes(fns, id_sets, out, budget_s: float) -> dict:
-    """{mode: {name: stats}} for gpu, eager and graph."""
+    """{mode: {name: stats}} for gpu, eager and graph. The host-clock modes take their samples
+    in ROUNDS rounds over all callables (drift falls on each alike: the same small graph
+    replay moved 16.5-22 us between rounds, results/lookup_host_vs_vllm_h200_beabf19.md)."""
     found = {"gpu": {}, "eager": {}, "graph": {}}
+    samples = {mode: {name: [] for name in fns} for mode in ("eager", "graph")}
+    graphs = {}
     for name, fn in fns.items():
         found["gpu"][name] = stats(time_launches(
             lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s))
-        found["eager"][name] = stats(time_launches(
-            lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s, wall=True))
-        graphs = capture(fn, id_sets, out)
-        found["graph"][name] = stats(time_launches(
-            lambda i: graphs[i % len(graphs)].replay(), budget_s=budget_s, wall=True))
+        graphs[name] = capture(fn, id_sets, out)
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            samples["eager"][name] += time_launches(
+                lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s / ROUNDS,
+                min_reps=4, wall=True)
+            samples["graph"][name] += time_launches(
+                lambda i: graphs[name][i % len(graphs[name])].replay(),
+                budget_s=budget_s / ROUNDS, min_reps=4, wall=True)
+    for mode, by_name in samples.items():
+        found[mode] = {name: stats(times) for name, times in by_name.items()}
     return found
 
 

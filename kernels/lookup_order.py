@@ -4,7 +4,9 @@ from a CUDA graph per size bucket instead of launched op by op.
 `GraphSort()(row_ids, stream)` -> `(sorted_ids, dst_rows)`: the first `row_ids.numel()`
 entries are `row_ids.reshape(-1).sort()`'s values and indices (buffers of the bucket's size,
 owned by the sorter and rewritten by its next call), or None where the caller must sort
-itself (outside [MIN_GRAPH_ROWS, MAX_GRAPH_ROWS], or during a CUDA-graph capture).
+itself (outside [MIN_GRAPH_ROWS, MAX_GRAPH_ROWS], during a CUDA-graph capture, or the first
+time a size bucket is met: `engram_lookup` makes a launcher per call, and a capture costs
+2.5-12 ms of host time).
 
 NOTES:
 - `torch.sort` of 65K-1.57M int32 ids costs 69-76 us of host time per call on the H200 machine
@@ -37,6 +39,7 @@ class GraphSort:
     def __init__(self):
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, dtype) -> graph
         self._buffers: dict[torch.dtype, tuple] = {}  # dtype -> (keys, values, indices)
+        self._seen: set[tuple] = set()  # buckets met once: the second call captures
         self._pool = None
         self._stream = self._torch_stream = None  # the last call's stream: handle, torch
 
@@ -50,7 +53,12 @@ class GraphSort:
                 current.wait_stream(self._torch_stream)
             self._stream, self._torch_stream = stream, current
         key = (1 << (num_rows - 1).bit_length(), row_ids.dtype)
-        graph = self._graphs.get(key) or self._capture(*key, row_ids.device)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:  # a launcher made for one call never captures
+                self._seen.add(key)
+                return None
+            graph = self._capture(*key, row_ids.device)
         keys, values, indices = self._buffers[row_ids.dtype]
         keys[:num_rows].view(row_ids.shape).copy_(row_ids)
         graph.replay()

@@ -138,10 +138,12 @@ def test_metered_lookups_do_not_wait_for_the_gpu(hbm_table, host_table, monkeypa
 def test_sorted_host_lookups_order_ids_through_replayed_graphs(hbm_table, host_table):
     """Sorted host lookups (kernels/lookup_order.py): sizes shrinking inside one padded bucket
     (the pads of a larger call must not leak into a smaller one), a larger bucket, int64 ids,
-    and a call on another stream; each bit-exact, each size class on a replayed graph."""
+    and a call on another stream; each bit-exact, each size class met twice on a replayed
+    graph (the first call of a bucket sorts op by op)."""
     reader = _reader("host", hbm_table, host_table)
     side = torch.cuda.Stream()
-    cases = [(2000, torch.int32, None), (1400, torch.int32, None), (2731, torch.int32, None),
+    cases = [(2000, torch.int32, None), (1400, torch.int32, None), (1900, torch.int32, None),
+             (2731, torch.int32, None), (2731, torch.int32, None), (1500, torch.int64, None),
              (1500, torch.int64, None), (1700, torch.int32, side), (1400, torch.int32, None)]
     for seed, (tokens, dtype, stream) in enumerate(cases):
         hashes = torch.empty(tokens, NUM_LAYERS, NUM_COLS, dtype=dtype, device="cuda:0")
