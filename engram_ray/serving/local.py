@@ -174,7 +174,7 @@ class LocalDeployment:
             return False
 
     def complete(self, prompt: str = "The river", max_tokens: int = 16) -> str:
-        """The check's greedy completion; EngineDied if an engine died serving it."""
+        """The check's greedy completion; EngineDiedError if an engine died serving it."""
         from openai import OpenAI, OpenAIError
 
         client = OpenAI(base_url=f"{self.url}/v1", api_key="local", max_retries=2)

@@ -28,8 +28,8 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPServer
 
 from engram_ray.errors import EngramRayError
-from engram_ray.serving.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.metrics import EngineIdentity, EngineMetrics
+from engram_ray.serving.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.serving.engine_shm import record_segments, release_recorded
 from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
 from engram_ray.serving.kv_cache import engine_capacity, probe_engine_kwargs
