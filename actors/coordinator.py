@@ -8,6 +8,12 @@ application (`engram_ray.generations.GenerationBook`): the generation of each gr
 id opens one: fresh FileStore folder, old one removed), each member's slices, and the list of
 every engine's /metrics for Prometheus.
 
+Routing (`routing`, long-polled by the ingress): a group serves while every member of its
+generation is ready and none is lost. A member is lost when its replica reports its engine
+dead (`report_broken`) or stops (`leave`), or when this actor's watch finds its replica actor
+dead (pinged every WATCH_PERIOD_S): the ingress stops sending the group requests within a
+fraction of a second, long before Serve's health checks restart the gang.
+
 Created by `engram_ray.serve.build_app` before the engines (detached: a `serve deploy` build
 task ends, the application stays). One left by an earlier deployment of the same name is reused
 when it was made with the same settings and groups, replaced when it differs and has no
@@ -26,6 +32,7 @@ from engram_ray.errors import EngramRayError
 from engram_ray.serving.exposition import write_file_sd
 
 logger = logging.getLogger(__name__)
+WATCH_PERIOD_S = 0.2     # how often every ready member's replica actor is pinged
 
 
 def coordinator_name(deployment_name: str) -> str:
@@ -46,6 +53,11 @@ class Coordinator:
                                    domains)
         self.targets: dict[str, dict] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
+        self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
+        threading.Thread(target=self._watch_members, daemon=True,
+                         name="engram-member-watch").start()
 
     def describe(self) -> tuple[tuple, int]:
         """(what it was made with, number of members of current generations)."""
@@ -58,14 +70,75 @@ class Coordinator:
             assignment = self.book.join(group_id, gang_id, rank, world_size, replica_id,
                                         node_labels)
             self._forget_ended_locked()
+            self._routing_changed_locked()
             return assignment
 
     def leave(self, replica_id: str) -> None:
         with self._lock:
             self.book.leave(replica_id)
+            self._actors.pop(replica_id, None)
+            self._routing_changed_locked()
             self.targets.pop(replica_id, None)
             self.targets.pop(f"{replica_id}/model", None)
             self._write_targets_locked()
+
+    # --- routing ------------------------------------------------------------------------
+    def member_ready(self, replica_id: str, actor=None) -> None:
+        """The member's engine serves; `actor` (its replica actor) is watched from now on."""
+        with self._lock:
+            if self.book.member_ready(replica_id) is not None:
+                if actor is not None:
+                    self._actors[replica_id] = actor
+                self._routing_changed_locked()
+
+    def report_broken(self, replica_id: str, reason: str) -> None:
+        """Member `replica_id` is lost (its engine died, its health check failed)."""
+        with self._lock:
+            self._break_locked(replica_id, reason)
+
+    def routing(self, version: int = -1, timeout_s: float = 0.0) -> tuple[int, dict]:
+        """(version, {group_id: {"generation", "serving", "reason"}}), returned as soon as
+        the version differs from `version`, else after `timeout_s` (a long poll)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != version, timeout=timeout_s)
+            return self._version, self.book.routing()
+
+    def _break_locked(self, replica_id: str, reason: str) -> None:
+        member = self.book.find_member(replica_id)
+        if member is None:
+            return
+        group_id, generation, rank = member
+        if self.book.break_generation(group_id, generation, f"member {rank}: {reason}"):
+            logger.warning("engram-ray: %s generation %s stops serving: member %d: %s",
+                           group_id, generation, rank, reason)
+            self._routing_changed_locked()
+
+    def _routing_changed_locked(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def _watch_members(self) -> None:
+        """Ping every ready member's replica actor (one ping outstanding per member, so a
+        busy replica delays no other's check); one found dead breaks its generation."""
+        pending: dict = {}  # ping ref -> replica id
+        while True:
+            time.sleep(WATCH_PERIOD_S)
+            with self._lock:
+                watched = dict(self._actors)
+            waiting = set(pending.values())
+            for replica_id, actor in watched.items():
+                if replica_id not in waiting:
+                    pending[actor.__ray_ready__.remote()] = replica_id
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            for ref in done:
+                replica_id = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # RayActorError, ActorUnavailableError: gone
+                    with self._lock:
+                        if self._actors.pop(replica_id, None) is not None:
+                            self._break_locked(replica_id, "replica actor lost "
+                                                           f"({type(exc).__name__})")
 
     def status(self) -> dict:
         with self._lock:
@@ -86,6 +159,8 @@ class Coordinator:
         """Targets of replicas no current generation holds (stopped with their gang)."""
         current = {m["replica_id"] for g in self.book.groups.values() if g.current
                    for m in g.current.members.values()}
+        for replica_id in [r for r in self._actors if r not in current]:
+            del self._actors[replica_id]
         stale = [k for k in self.targets if k.split("/")[0] not in current]
         for key in stale:
             del self.targets[key]

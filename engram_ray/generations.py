@@ -8,6 +8,13 @@ members were stopped before Serve started the new gang.
 
     book = GenerationBook(deployment_config, layout, {"group-0": "domain-a"})
     book.join("group-0", gang_id, rank, world_size, replica_id, node_labels) -> assignment dict
+    book.member_ready(replica_id)                   # its engine serves
+    book.break_generation(group_id, generation, why)  # a member died: stop routing to it
+    book.routing() -> {group_id: {"generation", "serving", "reason"}}
+
+A group serves (the ingress sends it requests) while its current generation has every member
+ready and none lost. The first member lost breaks the generation for good: Serve restarts the
+whole gang, and the next gang opens a new generation.
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ class Generation:
     store_dir: str
     members: dict = field(default_factory=dict)   # rank -> {"replica_id", "node_labels"}
     started_at: float = field(default_factory=time.time)
+    ready_at: dict = field(default_factory=dict)   # rank -> wall time its engine served
+    broken: str | None = None                      # why it stopped serving, for good
+    broken_at: float | None = None
+
+    def is_serving(self, size: int) -> bool:
+        return self.broken is None and len(self.ready_at) == size
 
 
 @dataclass
@@ -69,7 +82,10 @@ class GenerationBook:
     def _open(self, group: GroupRecord, gang_id: str) -> None:
         old = group.current
         if old is not None:
-            group.history.append((old.index, old.gang_id, round(time.time() - old.started_at, 1)))
+            group.history.append({
+                "index": old.index, "gang_id": old.gang_id, "generation": old.generation,
+                "started_at": old.started_at, "ready_at": dict(old.ready_at),
+                "broken": old.broken, "broken_at": old.broken_at, "ended_at": time.time()})
             remove_store_dir(old.store_dir)
         index = old.index + 1 if old else 1
         gen_id = generation_id(self.config.name, group.group_id, index, secrets.token_hex(3))
@@ -88,11 +104,59 @@ class GenerationBook:
                            for s in slices_of(self.layout, rank, dep.peer_group_size)]}
 
     def leave(self, replica_id: str) -> None:
+        """A member stopped (Serve stops a gang's members before it starts the next one; a
+        replica whose start failed leaves too): its generation never serves again."""
         for group in self.groups.values():
             gen = group.current
             for rank, member in list(gen.members.items()) if gen else ():
                 if member["replica_id"] == replica_id:
                     del gen.members[rank]
+                    self.break_generation(group.group_id, gen.generation,
+                                          f"member {rank} stopped")
+
+    def member_ready(self, replica_id: str) -> tuple[str, int] | None:
+        """Member `replica_id`'s engine serves; (group id, rank), or None if no current
+        generation holds it (its gang was replaced meanwhile)."""
+        for group in self.groups.values():
+            gen = group.current
+            for rank, member in gen.members.items() if gen else ():
+                if member["replica_id"] == replica_id:
+                    gen.ready_at.setdefault(rank, time.time())
+                    return group.group_id, rank
+        return None
+
+    def break_generation(self, group_id: str, generation: str, reason: str) -> bool:
+        """Generation `generation` of `group_id` stops serving (first reason kept); False if
+        it is not the group's current one or was broken already."""
+        gen = self.groups[group_id].current if group_id in self.groups else None
+        if gen is None or gen.generation != generation or gen.broken is not None:
+            return False
+        gen.broken, gen.broken_at = reason, time.time()
+        return True
+
+    def routing(self) -> dict[str, dict]:
+        """Per group: its current generation, whether it serves, and why not."""
+        size = self.config.peer_group_size
+        table = {}
+        for gid, group in self.groups.items():
+            gen = group.current
+            if gen is None:
+                table[gid] = {"generation": None, "serving": False, "reason": "not started"}
+                continue
+            reason = gen.broken or (None if gen.is_serving(size) else
+                                    f"{len(gen.ready_at)} of {size} members ready")
+            table[gid] = {"generation": gen.generation, "serving": reason is None,
+                          "reason": reason}
+        return table
+
+    def find_member(self, replica_id: str) -> tuple[str, str, int] | None:
+        """(group id, generation, rank) of a member of a current generation."""
+        for group in self.groups.values():
+            gen = group.current
+            for rank, member in gen.members.items() if gen else ():
+                if member["replica_id"] == replica_id:
+                    return group.group_id, gen.generation, rank
+        return None
 
     def num_members(self) -> int:
         return sum(len(g.current.members) for g in self.groups.values() if g.current)
@@ -110,5 +174,9 @@ class GenerationBook:
                       "store": g.current.store_dir if g.current else None,
                       "members": {r: dict(m) for r, m in g.current.members.items()}
                       if g.current else {},
+                      "started_at": g.current.started_at if g.current else None,
+                      "ready_at": dict(g.current.ready_at) if g.current else {},
+                      "broken": g.current.broken if g.current else None,
+                      "broken_at": g.current.broken_at if g.current else None,
                       "history": list(g.history)}
                 for gid, g in self.groups.items()}

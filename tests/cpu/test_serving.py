@@ -103,7 +103,8 @@ def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_loc
     assert not os.path.exists(first[0]["store"]) and os.path.isdir(second["store"])
     assert json.loads((tmp_path / "targets.json").read_text()) == []  # m0's gang is gone
     status = ray.get(coordinator.status.remote())["group-0"]
-    assert status["gang_id"] == "gang2" and [h[:2] for h in status["history"]] == [(1, "gang1")]
+    assert status["gang_id"] == "gang2" and [(h["index"], h["gang_id"]) for h in status["history"]] == [
+        (1, "gang1")]
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         ray.get(coordinator.join.remote("group-0", "gang3", 0, 4, "x"))
     assert isinstance(info.value.cause, GroupMismatchError)
@@ -205,7 +206,9 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     app = build_app(raw)
     ingress = app._bound_deployment
     assert ingress.name == "PeerGroupIngress" and ingress.ray_actor_options["num_cpus"] == 0
-    (group,) = ingress.init_kwargs["peer_groups"]["engram-tiny"]
+    groups = ingress.init_kwargs["peer_groups"]["engram-tiny"]
+    assert list(groups) == ["group-0"] and ingress.init_kwargs["deployment_name"] == "built"
+    (group,) = groups.values()
     engines = group._bound_deployment
     assert (engines.name, engines.num_replicas) == ("EngramLLMServer:built:group-0", 2)
     config = engines._deployment_config

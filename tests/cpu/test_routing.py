@@ -1,0 +1,147 @@
+"""Routing off a broken peer group: the generation book's serving state (pure), the
+coordinator's long-polled routing table and member watch on a real local Ray, and the
+ingress's view of it. (The whole path under load, with engines killed: test_faults.py.)"""
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from engram_ray.generations import GenerationBook
+from engram_ray.layout import load_layout
+from engram_ray.serving.cluster_configs import load_serve_config
+from engram_ray.serving.ingress import GroupRouting, error_event, is_group_failure
+
+CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+
+
+def _raw(tmp_path, name: str) -> dict:
+    raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name=name,
+                             model="deepseek-v4.1-flash")
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
+    return raw
+
+
+def _book(tmp_path) -> GenerationBook:
+    from engram_ray.serving.config import ServeAppConfig
+
+    config = ServeAppConfig.from_dict(_raw(tmp_path, "book"), "test").deployment
+    return GenerationBook(config, load_layout(config.model), {"group-0": "a", "group-1": "b"})
+
+
+def test_a_group_serves_only_with_every_member_ready_and_none_lost(tmp_path):
+    book = _book(tmp_path)
+    assert book.routing()["group-0"] == {"generation": None, "serving": False,
+                                         "reason": "not started"}
+    first = book.join("group-0", "gang1", 0, 2, "m0")["generation"]
+    book.join("group-0", "gang1", 1, 2, "m1")
+    book.member_ready("m0")
+    assert book.routing()["group-0"]["reason"] == "1 of 2 members ready"
+    assert book.member_ready("m1") == ("group-0", 1)
+    assert book.routing()["group-0"] == {"generation": first, "serving": True, "reason": None}
+    assert book.break_generation("group-0", first, "member 1: engine died")
+    assert not book.break_generation("group-0", first, "again")  # the first reason stays
+    assert book.routing()["group-0"] == {"generation": first, "serving": False,
+                                         "reason": "member 1: engine died"}
+    book.leave("m0")  # Serve stops the survivor: still broken, for the first reason
+    assert book.routing()["group-0"]["reason"] == "member 1: engine died"
+    second = book.join("group-0", "gang2", 0, 2, "n0")["generation"]
+    book.join("group-0", "gang2", 1, 2, "n1")
+    assert not book.break_generation("group-0", first, "late report of the old gang")
+    assert not book.routing()["group-0"]["serving"]
+    book.member_ready("n0"), book.member_ready("n1")
+    assert book.routing()["group-0"] == {"generation": second, "serving": True, "reason": None}
+    assert book.routing()["group-1"]["serving"] is False  # groups are independent
+    assert book.member_ready("m1") is None  # a replica of a replaced gang
+    (old,) = book.status()["group-0"]["history"]
+    assert old["broken"] == "member 1: engine died" and old["broken_at"] >= old["started_at"]
+
+
+def test_a_member_that_stops_breaks_its_generation(tmp_path):
+    book = _book(tmp_path)
+    gen = book.join("group-1", "g", 0, 2, "a")["generation"]
+    book.join("group-1", "g", 1, 2, "b")
+    book.member_ready("a"), book.member_ready("b")
+    book.leave("b")
+    assert book.routing()["group-1"] == {"generation": gen, "serving": False,
+                                         "reason": "member 1 stopped"}
+
+
+def test_group_failures_are_told_from_request_errors():
+    import ray.exceptions
+
+    assert is_group_failure(ray.exceptions.ActorDiedError())
+    wrapped = ray.exceptions.RayTaskError("f", "tb", type("EngineDeadError", (Exception,), {})())
+    assert is_group_failure(wrapped)
+    assert not is_group_failure(ValueError("bad prompt"))
+    assert not is_group_failure(ray.exceptions.RayTaskError("f", "tb", ValueError("x")))
+    assert error_event("gone").startswith('data: {"error": {"message": "gone"')
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_coordinator_stops_routing_to_a_group_whose_replica_dies(ray_local, tmp_path):
+    """Two one-member groups; group-0's replica actor is killed: the routing table says so
+    within a second (the coordinator's watch), the long poll returns at once, group-1 serves."""
+    ray = ray_local
+    from engram_ray.actors.coordinator import get_coordinator
+
+    @ray.remote(num_cpus=0)
+    class Replica:
+        def ping(self):
+            return True
+
+    raw = _raw(tmp_path, "watch")
+    raw["deployment"]["peer_group_size"] = 1
+    raw["serving"]["num_peer_groups"] = 2
+    coordinator = get_coordinator(raw, {"group-0": "a", "group-1": "b"}, "watch")
+    replicas = [Replica.remote(), Replica.remote()]
+    ray.get([r.ping.remote() for r in replicas])
+    for i, replica in enumerate(replicas):
+        ray.get(coordinator.join.remote(f"group-{i}", f"gang{i}", 0, 1, f"m{i}"))
+        ray.get(coordinator.member_ready.remote(f"m{i}", replica))
+    version, table = ray.get(coordinator.routing.remote())
+    assert table["group-0"]["serving"] and table["group-1"]["serving"]
+    started = time.monotonic()
+    assert ray.get(coordinator.routing.remote(version, 0.5))[0] == version  # no change: timeout
+    assert time.monotonic() - started >= 0.5
+    poll = coordinator.routing.remote(version, 30.0)
+    killed_at = time.monotonic()
+    ray.kill(replicas[0], no_restart=True)
+    version, table = ray.get(poll)
+    noticed_s = time.monotonic() - killed_at
+    assert noticed_s < 1.0, noticed_s
+    assert not table["group-0"]["serving"] and table["group-1"]["serving"]
+    assert "replica actor lost" in table["group-0"]["reason"]
+    ray.get(coordinator.report_broken.remote("m1", "engine died"))
+    assert ray.get(coordinator.routing.remote())[1]["group-1"]["reason"] == (
+        "member 0: engine died")
+    ray.kill(coordinator)
+
+
+def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
+    async def scenario():
+        routing = GroupRouting("unused")
+        assert routing.is_serving("group-0")  # nothing known yet: Serve's own routing
+        routing._update({"group-0": {"generation": "g.1", "serving": True, "reason": None}})
+        routing.mark_lost("group-0", "g.1")
+        assert not routing.is_serving("group-0")
+        assert await routing.wait_not_serving("group-0", 0.01)
+        routing._update({"group-0": {"generation": "g.2", "serving": True, "reason": None}})
+        assert routing.is_serving("group-0")
+        waiter = asyncio.ensure_future(routing.wait_not_serving("group-0", 5.0))
+        await asyncio.sleep(0.01)
+        routing._update({"group-0": {"generation": "g.2", "serving": False, "reason": "x"}})
+        assert await waiter
+        assert await routing.wait_not_serving("group-1", 0.01)  # a group it has no word of
+    asyncio.run(scenario())
