@@ -58,10 +58,17 @@ class MemoryPlan:
     table_bytes: tuple[int, ...]
     hbm_bytes_per_gpu_by_table: tuple[int, ...]
     peer_group_size: int = 1
+    label: str = ""  # short column heading: the placement and its one parameter (`peer P=8`)
 
     def kv_gain_vs(self, other: "MemoryPlan") -> int:
         """HBM per GPU this plan leaves for KV cache beyond `other` (negative: less)."""
         return other.hbm_bytes_per_gpu - self.hbm_bytes_per_gpu
+
+    def host_freed_vs(self, other: "MemoryPlan") -> tuple[int, int]:
+        """(per GPU, per node) host memory this plan frees against `other` (negative: needs
+        more)."""
+        return (other.host_bytes_per_gpu - self.host_bytes_per_gpu,
+                other.host_bytes_per_node - self.host_bytes_per_node)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -89,16 +96,17 @@ def make_plan(layout: EngramLayout, placement: str, *, peer_group_size: int = 1,
     rows, table_bytes = layout.rows_per_table, layout.table_bytes
     common = dict(table_rows=rows, table_bytes=table_bytes)
     if placement == "hbm":
-        return MemoryPlan("hbm", "whole tables in every GPU's HBM", layout.total_bytes, 0,
-                          layout.total_bytes * gpus_per_node,
-                          hbm_bytes_per_gpu_by_table=table_bytes, **common)
+        # No host copy: host per node is 0 (it read total x GPUs per node, HBM's figure).
+        return MemoryPlan("hbm", "whole tables in every GPU's HBM", layout.total_bytes, 0, 0,
+                          hbm_bytes_per_gpu_by_table=table_bytes, label="hbm", **common)
     if placement == "host":
         return _host_plan(layout, host_mode, dp_size, gpus_per_node, common)
     if placement == "peer":
         per_table = tuple(rows_per_rank(r, peer_group_size) * layout.row_bytes for r in rows)
         return MemoryPlan("peer", f"rows split over a peer group of {peer_group_size} GPUs",
                           sum(per_table), 0, 0, hbm_bytes_per_gpu_by_table=per_table,
-                          peer_group_size=peer_group_size, **common)
+                          peer_group_size=peer_group_size, label=f"peer P={peer_group_size}",
+                          **common)
     raise ConfigError("--placement", f"is {placement!r}", f"one of {', '.join(PLACEMENTS)}")
 
 
@@ -107,7 +115,8 @@ def _host_plan(layout, host_mode, dp_size, gpus_per_node, common) -> MemoryPlan:
     total = layout.total_bytes
     if host_mode == "per-engine":
         return MemoryPlan("host", "CPU offload, one copy per engine", 0, total,
-                          total * gpus_per_node, hbm_bytes_per_gpu_by_table=zero, **common)
+                          total * gpus_per_node, hbm_bytes_per_gpu_by_table=zero,
+                          label="host per engine", **common)
     if host_mode == "dp-split":
         _check_positive("--dp-size", dp_size)
         if dp_size > layout.n_heads:
@@ -115,9 +124,10 @@ def _host_plan(layout, host_mode, dp_size, gpus_per_node, common) -> MemoryPlan:
                               f"at most {layout.n_heads}")
         per_gpu = -(-total // dp_size)
         return MemoryPlan("host", f"CPU offload, heads split over DP={dp_size}", 0, per_gpu,
-                          per_gpu * gpus_per_node, hbm_bytes_per_gpu_by_table=zero, **common)
+                          per_gpu * gpus_per_node, hbm_bytes_per_gpu_by_table=zero,
+                          label=f"host DP={dp_size}", **common)
     if host_mode == "per-node":
         return MemoryPlan("host", "CPU offload, one shared copy per node", 0,
                           -(-total // gpus_per_node), total,
-                          hbm_bytes_per_gpu_by_table=zero, **common)
+                          hbm_bytes_per_gpu_by_table=zero, label="host per node", **common)
     raise ConfigError("--host-mode", f"is {host_mode!r}", f"one of {', '.join(HOST_MODES)}")

@@ -26,6 +26,15 @@ if TYPE_CHECKING:  # annotations only: pidfd (doctor's probe child) must not imp
 from engram_ray.errors import EngramRayError
 
 
+DEFAULT_SHM_DIR = "/dev/shm"
+
+
+def shm_dir() -> str:
+    """Folder of the shm backend's slice files (here, not in `shm`: doctor reads it without
+    torch)."""
+    return os.environ.get("ENGRAM_RAY_SHM_DIR", DEFAULT_SHM_DIR)
+
+
 class PeerMemoryError(EngramRayError):
     """A slice could not be allocated, exported, imported or mapped."""
 

@@ -19,13 +19,8 @@ import warnings
 
 import torch
 
-from engram_ray.peer.base import PeerMemory, PeerMemoryError, host_identity, same_host
-
-DEFAULT_SHM_DIR = "/dev/shm"
-
-
-def shm_dir() -> str:
-    return os.environ.get("ENGRAM_RAY_SHM_DIR", DEFAULT_SHM_DIR)
+from engram_ray.peer.base import (DEFAULT_SHM_DIR, PeerMemory, PeerMemoryError,  # noqa: F401
+                                  host_identity, same_host, shm_dir)
 
 
 def _as_tensor(mm: mmap.mmap, num_rows: int, row_bytes: int) -> torch.Tensor:

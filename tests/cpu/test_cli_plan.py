@@ -1,7 +1,10 @@
 """`engram-ray plan` through the installed console script: output, JSON and one-line errors."""
 
 import json
+import os
+import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +50,102 @@ def test_config_missing_field_and_not_json(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2")
     result = run_cli("plan", "--model", str(tmp_path / "config.json"))
     assert result.returncode == 2 and "is not valid JSON" in result.stderr
+
+
+def test_compare_states_the_benefit_in_words_with_no_negative_figure():
+    """The README's example: host memory freed per GPU and per node, the KV-cache cost in words."""
+    result = run_cli("plan", "--placement", "peer", "--peer-group-size", "8", "--compare")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "peer P=8 against host DP=2:" in out
+    assert "94.42 GiB freed per GPU, 755.33 GiB freed per node of 8 GPUs" in out
+    assert "KV cache (HBM):  23.60 GiB less per GPU" in out
+    assert not re.search(r"-\d", out), "a signed figure reads as a loss or a gain by accident"
+    bigger = run_cli("plan", "--peer-group-size", "8", "--compare", "peer:4").stdout
+    assert "peer P=8 against peer P=4:" in bigger
+    assert "KV cache (HBM):  23.60 GiB more per GPU" in bigger
+    assert "host memory:     the same" in bigger
+
+
+def test_column_headers_are_whole():
+    for args in (["--compare"], ["--compare", "host:per-engine"], ["--placement", "host",
+                                                                    "--host-mode", "per-node",
+                                                                    "--compare", "peer:18"]):
+        lines = run_cli("plan", *args).stdout.splitlines()
+        header = lines[lines.index("") + 1]
+        labels = re.findall(r"\S+(?: \S+)*", header.strip())
+        assert labels[0] in ("peer P=8", "host per node") and len(labels) == 2, header
+        # every row's columns line up under the headings
+        row = next(line for line in lines if line.startswith("HBM per GPU"))
+        assert len(row) == len(header), (row, header)
+        for label in labels:
+            assert any(line == f"  {label}: " + line.split(": ", 1)[1] for line in lines
+                       if line.startswith(f"  {label}: ")), f"no description line for {label}"
+
+
+def test_compare_json_has_host_memory_freed():
+    out = json.loads(run_cli("plan", "--json", "--compare").stdout)
+    assert out["host_bytes_freed_per_gpu"] == out["plans"][1]["host_bytes_per_gpu"]
+    assert round(out["host_bytes_freed_per_node"] / 2**30, 2) == 755.33
+    assert round(out["kv_gain_bytes_per_gpu"] / 2**30, 2) == -23.60
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(run_cli("plan", "--json", "--compare", "peer:x").stdout)
+
+
+@pytest.mark.parametrize("args", [["plan", "--json"], ["plan", "--compare"], ["doctor"],
+                                  ["doctor", "--json"], ["--help"], ["plan", "--help"]])
+def test_closed_pipe_ends_quietly(args):
+    """`engram-ray plan --json | head` with the reader gone before the first write: no
+    traceback, the exit status a shell shows for SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(["engram-ray", *args], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    # argparse's --help swallows the error itself and exits 0
+    assert result.returncode == (0 if "--help" in args else 141)
+
+
+def test_pipe_into_head_through_a_shell():
+    result = subprocess.run("engram-ray plan --json | head -n 2; echo status=${PIPESTATUS[0]}",
+                            shell=True, executable="/bin/bash", capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.splitlines()[:2] == ["{", '  "model": "deepseek-v4.1-flash",']
+    assert result.stdout.splitlines()[-1] in ("status=0", "status=141")
+    assert "Traceback" not in result.stderr
+
+
+def test_version_matches_the_package():
+    import tomllib
+
+    import engram_ray
+
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"engram-ray {engram_ray.__version__}"
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml")
+                              .read_text())
+    assert pyproject["project"]["version"] == engram_ray.__version__
+
+
+def test_help_shows_every_default():
+    """Every option with a default says it in --help (flags and options without one excepted)."""
+    from engram_ray.cli import build_parser
+    from engram_ray.commands import COMMANDS
+
+    parser = build_parser([])
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name in COMMANDS:
+        command = sub.choices[name]
+        text = " ".join(command.format_help().split())
+        for action in command._actions:
+            if not action.option_strings or action.default in (None, False, "==SUPPRESS=="):
+                continue
+            assert f"(default: {action.default})" in text or "default" in (action.help or ""), (
+                f"engram-ray {name} --help: {action.option_strings[0]} hides its default "
+                f"{action.default!r}")
+    plan_help = " ".join(sub.choices["plan"].format_help().split())
+    assert "(default: 8)" in plan_help and "(default: peer)" in plan_help
