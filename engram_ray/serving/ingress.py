@@ -1,26 +1,239 @@
 """The OpenAI ingress over peer groups: Ray Serve LLM's `OpenAiIngress`, with one engine
 deployment per peer group behind each model id instead of one.
 
-A request goes to the groups in turn; inside a group Serve's router picks the replica. Routing
-per group here is where a group that is restarting can later be skipped.
+Routing: requests go in turn to the groups that serve (the coordinator's `routing`, long-polled
+by `GroupRouting`); inside a group Serve's router picks the replica. A group stops getting
+requests the moment the coordinator marks it broken (a member's engine or replica died) or this
+ingress sees it fail. Faults as the client sees them:
+
+    group fails before anything was sent   the request goes to another serving group; with
+                                           none left: 503 + Retry-After
+    group fails mid-stream                 the stream ends with an error event, then [DONE]
+                                           (as vLLM's own server ends a stream whose engine
+                                           died), never with a clean end and no finish_reason
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import itertools
+import json
+import logging
 
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
+logger = logging.getLogger("ray.serve")
+
+RETRY_AFTER_S = 5          # a restarting group serves again after tens of seconds at best
+ROUTING_POLL_S = 10.0      # long-poll timeout of the coordinator's routing table
+BROKEN_WAIT_S = 0.5        # after a 5xx first chunk: how long to wait for the group's report
+# The failures of a group (not of a request): the replica or its engine is gone.
+GROUP_FAILURES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
+                  "DeploymentUnavailableError", "EngineDeadError", "EngineGenerateError"}
+
+_picked = contextvars.ContextVar("engram_picked_handle", default=None)
+# Where a request went ({"group", "generation"}), filled by `_get_response` for the
+# response headers GROUP_HEADER / GENERATION_HEADER.
+_route_note = contextvars.ContextVar("engram_route_note", default=None)
+GROUP_HEADER, GENERATION_HEADER = "x-engram-peer-group", "x-engram-generation"
+
+
+class GroupsUnavailable(Exception):
+    """No peer group of the model serves now."""
+
+
+def is_group_failure(exc: BaseException) -> bool:
+    """True for the exceptions a dead replica or engine raises (also wrapped by Ray)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ in GROUP_FAILURES:
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
+def error_event(message: str, code: int = 503) -> str:
+    """An OpenAI-style error event of a stream (`data: {"error": ...}`)."""
+    return "data: " + json.dumps({"error": {"message": message, "type": "ServiceUnavailable",
+                                            "param": None, "code": code}}) + "\n\n"
+
+
+class GroupRouting:
+    """The coordinator's routing table as this ingress last saw it, plus the groups this
+    ingress saw fail (until the coordinator reports a new generation for them)."""
+
+    def __init__(self, deployment_name: str):
+        self.deployment_name = deployment_name
+        self.table: dict[str, dict] | None = None  # None: not known yet (route to every group)
+        self.lost: set[tuple[str, str | None]] = set()  # (group id, generation)
+        self._updated = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        from engram_ray.actors.coordinator import find_coordinator
+
+        version = -1
+        while True:
+            try:
+                coordinator = find_coordinator(self.deployment_name)
+                while True:
+                    version, table = await coordinator.routing.remote(version, ROUTING_POLL_S)
+                    self._update(table)
+            except Exception as exc:  # coordinator restarting: route on what is known
+                logger.warning("engram-ray ingress: routing table unavailable: %s", exc)
+                await asyncio.sleep(1.0)
+
+    def _update(self, table: dict[str, dict]) -> None:
+        if table != self.table:
+            logger.info("engram-ray ingress: routing %s", {
+                g: "serving" if r["serving"] else r["reason"] for g, r in table.items()})
+        self.table = table
+        self.lost = {(g, gen) for g, gen in self.lost if table.get(g, {}).get("generation") == gen}
+        self._updated.set()
+        self._updated = asyncio.Event()
+
+    def generation(self, group_id: str) -> str | None:
+        return (self.table or {}).get(group_id, {}).get("generation")
+
+    def is_serving(self, group_id: str) -> bool:
+        if (group_id, self.generation(group_id)) in self.lost:
+            return False
+        return self.table is None or self.table.get(group_id, {}).get("serving", False)
+
+    def mark_lost(self, group_id: str, generation: str | None) -> None:
+        self.lost.add((group_id, generation))
+
+    async def wait_not_serving(self, group_id: str, timeout_s: float) -> bool:
+        """True once the coordinator reports `group_id` not serving (within `timeout_s`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.is_serving(group_id):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._updated.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    def describe(self) -> str:
+        if self.table is None:
+            return "routing not known yet"
+        return "; ".join(f"{g}: {r['reason'] or 'serving'}" for g, r in self.table.items())
+
 
 class PeerGroupIngress(OpenAiIngress):
-    def __init__(self, llm_deployments: dict, model_cards: dict, *, peer_groups: dict, **kwargs):
+    def __init__(self, llm_deployments: dict, model_cards: dict, *, peer_groups: dict,
+                 deployment_name: str, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
-        self._group_handles = {model_id: [h.options(stream=True) for h in handles]
-                               for model_id, handles in peer_groups.items()}
+        self._group_handles = {model_id: {group_id: h.options(stream=True)
+                                          for group_id, h in groups.items()}
+                               for model_id, groups in peer_groups.items()}
         self._turn = itertools.count()
+        self._routing = GroupRouting(deployment_name)
+
+    async def check_health(self):
+        self._routing.ensure_started()
 
     def _get_configured_serve_handle(self, model_id: str):
-        handles = self._group_handles.get(model_id)
-        if not handles:  # not a base model id (e.g. a LoRA id): Ray Serve LLM's own lookup
-            return super()._get_configured_serve_handle(model_id)
-        return handles[next(self._turn) % len(handles)]
+        picked = _picked.get()
+        if picked is not None:
+            return picked
+        return super()._get_configured_serve_handle(model_id)
+
+    def _pick(self, model_id: str, tried: set) -> tuple[str, object]:
+        groups = self._group_handles[model_id]
+        order = list(groups)
+        start = next(self._turn)
+        for i in range(len(order)):
+            group_id = order[(start + i) % len(order)]
+            if group_id not in tried and self._routing.is_serving(group_id):
+                return group_id, groups[group_id]
+        raise GroupsUnavailable(f"no peer group of {model_id!r} serves now "
+                                f"({self._routing.describe()}); retry in {RETRY_AFTER_S} s")
+
+    async def _get_response(self, *, body, call_method: str, raw_request=None):
+        self._routing.ensure_started()
+        model_id = await self._get_model_id(body.model)
+        if model_id not in self._group_handles:  # e.g. a LoRA id: Ray Serve LLM's own routing
+            async for item in super()._get_response(body=body, call_method=call_method,
+                                                    raw_request=raw_request):
+                yield item
+            return
+        tried: set[str] = set()
+        while True:
+            group_id, handle = self._pick(model_id, tried)
+            generation = self._routing.generation(group_id)
+            token = _picked.set(handle)
+            try:
+                stream = super()._get_response(body=body, call_method=call_method,
+                                               raw_request=raw_request)
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                if not is_group_failure(exc):
+                    raise
+                self._lost(group_id, generation, exc)
+                tried.add(group_id)
+                continue
+            finally:
+                _picked.reset(token)
+            if _is_server_error(first) and await self._routing.wait_not_serving(
+                    group_id, BROKEN_WAIT_S):
+                logger.warning("engram-ray ingress: %s failed a request before its first "
+                               "chunk; trying another group", group_id)
+                await stream.aclose()
+                tried.add(group_id)
+                continue
+            break
+        note = _route_note.get()
+        if note is not None:
+            note.update(group=group_id, generation=generation)
+        yield first
+        try:
+            async for item in stream:
+                yield item
+        except Exception as exc:  # after the first chunk: the client must see it fail
+            if is_group_failure(exc):
+                self._lost(group_id, generation, exc)
+            else:
+                logger.exception("engram-ray ingress: stream of %s failed", group_id)
+            yield error_event(f"peer group {group_id} failed while serving this request; "
+                              "retry it")
+
+    def _lost(self, group_id: str, generation: str | None, exc: BaseException) -> None:
+        logger.warning("engram-ray ingress: %s (generation %s) lost: %s", group_id,
+                       generation, type(exc).__name__)
+        self._routing.mark_lost(group_id, generation)
+
+    async def _process_llm_request(self, body, call_method: str, raw_request=None):
+        from starlette.responses import JSONResponse
+
+        note = {}
+        _route_note.set(note)
+        try:
+            response = await super()._process_llm_request(body, call_method, raw_request)
+            if note.get("group"):
+                response.headers[GROUP_HEADER] = note["group"]
+                response.headers[GENERATION_HEADER] = note["generation"] or ""
+            return response
+        except GroupsUnavailable as exc:
+            return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)},
+                                content={"error": {"message": str(exc),
+                                                   "type": "ServiceUnavailable",
+                                                   "param": None, "code": 503}})
+
+
+def _is_server_error(chunk) -> bool:
+    """A first chunk that is an engine-side 5xx (vLLM's answer once its engine is dead)."""
+    first = chunk[0] if isinstance(chunk, list) and chunk else chunk
+    error = getattr(first, "error", None)
+    return getattr(error, "code", 0) >= 500 if error is not None else False

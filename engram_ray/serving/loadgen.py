@@ -1,24 +1,53 @@
-"""Concurrent streaming requests against an OpenAI endpoint, with per-request latencies.
+"""Requests against an OpenAI endpoint, each judged by what its client saw.
 
-Used by benchmarks/bench_serving.py and the slow serving tests. Each stream records time to
-first token, total time and the number of chunks; a failed stream records its error text.
+Used by the serving benchmarks and the slow serving and fault tests. A request is
+
+    ok        a complete answer: non-streamed, HTTP 200 with a finish_reason in every choice;
+              streamed, HTTP 200, a finish_reason, then `data: [DONE]`, and no error event
+    failed    the client saw it fail: an HTTP error status, an error event, a broken
+              connection or a timeout (the error text is kept)
+    lost      the client saw no error and no complete answer (HTTP 200, the stream ended
+              cleanly without finish_reason or [DONE]): lost silently, the fault that must
+              never happen
+
+Raw HTTP (httpx), not the `openai` SDK: the SDK hides whether a stream ended with [DONE].
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 
+OK, FAILED, LOST = "ok", "failed", "lost"
+
 
 @dataclass
-class StreamResult:
-    ok: bool
+class RequestResult:
+    outcome: str                 # OK, FAILED or LOST (module docstring)
+    chat: bool = False
+    stream: bool = True
+    started_at: float = 0.0      # time.monotonic() when sent
     ttft_s: float = 0.0
     total_s: float = 0.0
     num_chunks: int = 0
+    status: int = 0
+    generation: str | None = None  # the generation the ingress sent it to (its header)
+    text: str = ""
     error: str = ""
+    retry_after: str | None = None  # the Retry-After header of an error response
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == OK
+
+    @property
+    def ended_at(self) -> float:
+        return self.started_at + self.total_s
 
 
 @dataclass
@@ -28,8 +57,12 @@ class LoadReport:
     results: list = field(default_factory=list)
 
     @property
-    def failures(self) -> list[StreamResult]:
+    def failures(self) -> list[RequestResult]:
         return [r for r in self.results if not r.ok]
+
+    @property
+    def lost(self) -> list[RequestResult]:
+        return [r for r in self.results if r.outcome == LOST]
 
     def percentiles(self, attr: str) -> dict[str, float]:
         values = sorted(getattr(r, attr) for r in self.results if r.ok)
@@ -41,51 +74,143 @@ class LoadReport:
 
     def summary(self) -> dict:
         return {"num_streams": self.num_streams, "num_failed": len(self.failures),
-                "wall_s": round(self.wall_s, 2), "ttft_s": self.percentiles("ttft_s"),
-                "total_s": self.percentiles("total_s"),
+                "num_lost_silently": len(self.lost), "wall_s": round(self.wall_s, 2),
+                "ttft_s": self.percentiles("ttft_s"), "total_s": self.percentiles("total_s"),
                 "errors": sorted({r.error for r in self.failures})[:5]}
 
 
-async def _one_stream(client, model: str, prompt: str, max_tokens: int,
-                      chat: bool) -> StreamResult:
-    start = time.perf_counter()
-    ttft, num_chunks = None, 0
+def request_body(model: str, prompt: str, max_tokens: int, chat: bool, stream: bool) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "stream": stream, "temperature": 0.0}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def one_request(http, base_url: str, model: str, prompt: str, max_tokens: int,
+                      chat: bool, stream: bool) -> RequestResult:
+    """One request, judged (module docstring). `http`: an httpx.AsyncClient."""
+    import httpx
+
+    result = RequestResult(FAILED, chat, stream, time.monotonic())
+    path = "/chat/completions" if chat else "/completions"
     try:
-        if chat:
-            stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}],
-                max_tokens=max_tokens, stream=True)
-        else:
-            stream = await client.completions.create(model=model, prompt=prompt,
-                                                     max_tokens=max_tokens, stream=True)
-        async for _ in stream:
-            num_chunks += 1
-            ttft = ttft if ttft is not None else time.perf_counter() - start
-        return StreamResult(True, ttft or 0.0, time.perf_counter() - start, num_chunks)
-    except Exception as exc:  # the error text is the result
-        return StreamResult(False, total_s=time.perf_counter() - start,
-                            error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        async with http.stream("POST", base_url + path, json=request_body(
+                model, prompt, max_tokens, chat, stream)) as resp:
+            result.status = resp.status_code
+            result.generation = resp.headers.get("x-engram-generation") or None
+            if resp.status_code != 200:
+                result.retry_after = resp.headers.get("retry-after")
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            elif stream:
+                await _read_stream(resp, result)
+            else:
+                _read_answer(json.loads(await resp.aread()), result)
+    except (httpx.HTTPError, ValueError) as exc:  # broken connection, timeout, bad JSON
+        result.outcome, result.error = FAILED, f"{type(exc).__name__}: {str(exc)[:200]}"
+    result.total_s = time.monotonic() - result.started_at
+    return result
+
+
+async def _read_stream(resp, result: RequestResult) -> None:
+    finished = done = False
+    pieces = []
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            result.error = f"error event: {json.dumps(event['error'])[:200]}"
+            return  # outcome stays FAILED: the client saw it
+        result.num_chunks += 1
+        if result.num_chunks == 1:
+            result.ttft_s = time.monotonic() - result.started_at
+        for choice in event.get("choices", ()):
+            pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            finished = finished or choice.get("finish_reason") is not None
+    result.text = "".join(pieces)
+    if finished and done:
+        result.outcome = OK
+    else:
+        result.outcome = LOST
+        result.error = f"stream ended cleanly without {'[DONE]' if finished else 'finish_reason'}"
+
+
+def _read_answer(answer: dict, result: RequestResult) -> None:
+    choices = answer.get("choices") or []
+    result.generation = answer.get("system_fingerprint") or result.generation
+    result.ttft_s = time.monotonic() - result.started_at
+    result.num_chunks = 1
+    result.text = "".join(c.get("text") or (c.get("message") or {}).get("content") or ""
+                          for c in choices)
+    if choices and all(c.get("finish_reason") is not None for c in choices):
+        result.outcome = OK
+    else:
+        result.outcome, result.error = LOST, "HTTP 200 without a finished choice"
+
+
+def _client(num_connections: int, timeout_s: float):
+    import httpx
+
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=num_connections + 8),
+                             timeout=timeout_s)
 
 
 async def run_load_async(base_url: str, model: str, num_streams: int = 100,
                          max_tokens: int = 16, timeout_s: float = 120.0) -> LoadReport:
     """`num_streams` concurrent streams (half completions, half chat) within `timeout_s`."""
-    import httpx
-    from openai import AsyncOpenAI
-
-    limits = httpx.Limits(max_connections=num_streams + 8)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
-        client = AsyncOpenAI(base_url=base_url, api_key="load", http_client=http,
-                             max_retries=0)
+    async with _client(num_streams, timeout_s) as http:
         start = time.perf_counter()
-        tasks = [_one_stream(client, model, f"Stream {i}: the river", max_tokens, i % 2 == 1)
-                 for i in range(num_streams)]
+        tasks = [one_request(http, base_url, model, f"Stream {i}: the river", max_tokens,
+                             chat=i % 2 == 1, stream=True) for i in range(num_streams)]
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
         return LoadReport(num_streams, time.perf_counter() - start, list(results))
 
 
 def run_load(base_url: str, model: str, **kwargs) -> LoadReport:
     return asyncio.run(run_load_async(base_url, model, **kwargs))
+
+
+class Traffic:
+    """`concurrency` clients sending requests one after another (streamed and not,
+    completions and chat, in turn) from start() until stop(), in a thread of its own.
+
+        traffic = Traffic(url, model, concurrency=8).start(); ...; results = traffic.stop()
+    """
+
+    def __init__(self, base_url: str, model: str, concurrency: int = 8, max_tokens: int = 24,
+                 timeout_s: float = 120.0, prompt: str = "The river"):
+        self.base_url, self.model, self.prompt = base_url, model, prompt
+        self.concurrency, self.max_tokens, self.timeout_s = concurrency, max_tokens, timeout_s
+        self.results: list[RequestResult] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def stop(self, wait_s: float | None = None) -> list[RequestResult]:
+        """Stop sending; wait for requests in flight (up to the request timeout)."""
+        self._stop.set()
+        self._thread.join(wait_s if wait_s is not None else self.timeout_s + 10)
+        return list(self.results)
+
+    async def _run(self) -> None:
+        turn = itertools.count()
+        async with _client(self.concurrency, self.timeout_s) as http:
+            async def client() -> None:
+                while not self._stop.is_set():
+                    i = next(turn)
+                    self.results.append(await one_request(
+                        http, self.base_url, self.model, self.prompt, self.max_tokens,
+                        chat=i % 2 == 1, stream=i % 4 < 2))
+            await asyncio.gather(*(client() for _ in range(self.concurrency)))
 
 
 def probe_generations(base_url: str, model: str, stop, period_s: float = 0.2,

@@ -34,6 +34,10 @@ class LocalOptions:
     port: int = 8000
     num_logical_cpus: int = 4
     startup_timeout_s: float = STARTUP_TIMEOUT_S
+    # The YAML's layout (one group of two engines) unless set: e.g. 2 groups of 1 engine
+    # (the same two engines, each its own group: one keeps serving while the other restarts).
+    num_peer_groups: int | None = None
+    peer_group_size: int | None = None
 
 
 def log(text: str) -> None:
@@ -59,6 +63,10 @@ class LocalDeployment:
                                   peer_group_store=os.path.join(opts.workdir, "store"))
         args["serving"].update(model_source=self.model_dir, prometheus_targets_file=os.path.join(
             opts.workdir, "prom_targets.json"))
+        if opts.num_peer_groups is not None:
+            args["serving"]["num_peer_groups"] = opts.num_peer_groups
+        if opts.peer_group_size is not None:
+            args["deployment"]["peer_group_size"] = opts.peer_group_size
         doc["http_options"]["port"] = opts.port
         self.doc, self.app_name, self.args = doc, app["name"], args
         self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}
@@ -125,8 +133,9 @@ class LocalDeployment:
         self._ray_started = True
         self.ray_address = ray.get_runtime_context().gcs_address
         serve.start(http_options={"host": "127.0.0.1", "port": self.options.port})
-        log(f"deploying {serve_yaml_path().name}: {self.config.num_replicas} CPU engines, "
-            f"one peer group (shm backend)")
+        groups = self.config.serving.num_peer_groups
+        log(f"deploying {serve_yaml_path().name}: {self.config.num_replicas} CPU engines in "
+            f"{groups} peer group{'s' if groups > 1 else ''} (shm backend)")
         # serve.run waits for the replicas; _run(_blocking=False) returns so progress can show.
         from ray.serve.api import _run
         _run(build_app(self.args), _blocking=False, name=self.app_name, route_prefix="/")

@@ -12,7 +12,11 @@ every new gang id. Start of a replica (`start`, before vLLM starts):
   ─► KV-cache capacity and a stat logger feeding KV usage and step time.
 Failure: a member that dies or fails its health check makes Serve stop every member of its
 gang and start a new gang (RESTART_GANG), so no engine serves next to peers of another
-generation. Answers carry the generation id that produced them (`system_fingerprint`).
+generation. Before that, within a fraction of a second, the group stops getting requests: a
+replica reports its engine's death to the coordinator as soon as vLLM's client sees it
+(`_watch_engine`), and the coordinator pings every member's actor; the ingress routes by what
+the coordinator says (`engram_ray.serving.ingress`). Answers carry the generation id that
+produced them (`system_fingerprint`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
 # The engine's shared-memory segments are recorded again at a health check this often (some
 # exist only once it serves; engram_ray.serving.engine_shm).
 RECORD_SEGMENTS_EVERY_S = 10.0
+ENGINE_WATCH_PERIOD_S = 0.1  # how often a replica looks whether its engine is still alive
 logger = logging.getLogger("ray.serve")
 
 
@@ -113,6 +118,9 @@ class EngramServerMixin:
             await self._register_model_process_target()
             record_segments(self._replica_id)
             self._segments_recorded_at = time.monotonic()
+            await self._coordinator.member_ready.remote(self._replica_id, _own_actor())
+            self._engine_watch_task = asyncio.get_running_loop().create_task(
+                self._watch_engine())
         except BaseException as exc:
             logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)
             await self._leave()
@@ -183,6 +191,26 @@ class EngramServerMixin:
             watch.report(death)
         return death
 
+    async def _watch_engine(self) -> None:
+        """Report the engine's death to the coordinator the moment vLLM's client knows it
+        (`AsyncLLM.errored`: its engine-core process is gone), so the ingress stops sending
+        this group requests; Serve's health check then restarts the group."""
+        client = getattr(getattr(self, "engine", None), "_engine_client", None)
+        if client is None or not hasattr(client, "errored"):
+            return
+        while not client.errored:
+            await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
+        await self._report_broken("engine died")
+
+    async def _report_broken(self, reason: str) -> None:
+        if getattr(self, "_reported_broken", False):
+            return
+        self._reported_broken = True
+        try:
+            await self._coordinator.report_broken.remote(self._replica_id, reason)
+        except Exception as exc:  # the coordinator's own watch still finds the replica
+            logger.error("engram-ray: could not report %s to the coordinator: %s", reason, exc)
+
     async def _register_model_process_target(self) -> None:
         """The model process's lookup metrics endpoint, if it started one
         (`engram_ray.serving.exposition.start_process_metrics`). The file only hands the
@@ -209,7 +237,9 @@ class EngramServerMixin:
     async def check_health(self) -> None:
         try:
             await super().check_health()
-        except Exception:
+        except Exception as exc:
+            if getattr(self, "_assignment", None) is not None:
+                await self._report_broken(f"health check failed ({type(exc).__name__})")
             death = self._engine_death("while serving")
             if death is None:
                 raise
@@ -252,6 +282,16 @@ class EngramServerMixin:
             await super().__del__()
         finally:
             _shut_down_vllm(self)
+
+
+def _own_actor():
+    """This replica's Ray actor handle (the coordinator pings it), None outside an actor."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
 
 
 def _shut_down_vllm(server) -> None:
