@@ -9,7 +9,7 @@ Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 
   int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer.
 Modes: `gpu` (device events per launch, launches queued behind a sleep kernel, L2 flushed),
 `eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock;
-both in rounds interleaving the callables);
+both taking samples callable by callable in turn; median, p10 and p90 kept);
 id sets rotate so no launch rereads a recent one's rows (benchmarks/lookup_timing.py). Host
 time per call: mean over back-to-back calls while the GPU is held by a sleep kernel.
 Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run.
@@ -33,12 +33,15 @@ import model_lookup_report as report  # noqa: E402
 import vllm_engram_ref  # noqa: E402
 from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
 from engram_ray.table_lookup import TableLookup  # noqa: E402
-from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # noqa: E402
-                           num_id_sets, stats, time_launches)
+from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
+from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
+                           fill_random, num_id_sets, stats, time_launches)
 
 TOKENS = [64, 683, 2731, 10923, 43691, 65536]  # 1.5K, 16K, 65K, 262K, 1M, 1.57M rows
 NUM_LAYERS = 2
-ROUNDS = 3  # eager and graph samples: rounds interleaving the callables
+WALL_MIN_REPS, WALL_MAX_REPS = 30, 400  # eager and graph samples per callable
+AA_MAX_ROWS = 16_392  # up to here vLLM is also timed against itself (eager, graph)
 WIDTH = {"packed": ROW_BYTES, "bf16": HEAD_DIM}
 DTYPE = {"packed": torch.uint8, "bf16": torch.bfloat16}
 
@@ -104,43 +107,89 @@ class Case:
 
 
 def bitwise_equal(case, fns, tokens, out_kind) -> bool:
+    """Every callable's output, at its first call and FUSE_AT calls later on the same ids
+    and output (sorted host lookups: op by op, then a fused graph replay), equal to vLLM's
+    first (ids with -1 entries)."""
     hashes = case.id_sets(tokens, seed=99)[0]
     flat = hashes[:, 1].reshape(-1)
     flat[::97] = -1  # vLLM's DEAD_ID rows: zeros from both
     hashes[:, 1].copy_(flat.view(tokens, NUM_COLS))
     hashes = hashes[:, 1]
-    outs = {}
-    for name, fn in fns.items():
-        outs[name] = torch.empty(tokens, NUM_COLS, WIDTH[out_kind], dtype=DTYPE[out_kind],
-                                 device="cuda:0")
-        outs[name].view(torch.uint8).fill_(0xA5)
-        fn(hashes, outs[name])
-    torch.cuda.synchronize()
-    first = outs["vllm"].view(torch.uint8)
-    return all(torch.equal(first, o.view(torch.uint8)) for o in outs.values())
+    first = None
+    for fn in fns.values():
+        out = torch.empty(tokens, NUM_COLS, WIDTH[out_kind], dtype=DTYPE[out_kind],
+                          device="cuda:0")
+        for _ in range(FUSE_AT + 1):
+            out.view(torch.uint8).fill_(0xA5)
+            fn(hashes, out)
+            torch.cuda.synchronize()
+            if first is None:
+                first = out.view(torch.uint8).clone()
+            elif not torch.equal(first, out.view(torch.uint8)):
+                return False
+    return True
 
 
 def time_modes(fns, id_sets, out, budget_s: float) -> dict:
-    """{mode: {name: stats}} for gpu, eager and graph. The host-clock modes take their samples
-    in ROUNDS rounds over all callables (drift falls on each alike: the same small graph
-    replay moved 16.5-22 us between rounds, results/lookup_host_vs_vllm_h200_beabf19.md)."""
-    found = {"gpu": {}, "eager": {}, "graph": {}}
-    samples = {mode: {name: [] for name in fns} for mode in ("eager", "graph")}
+    """{mode: {name: stats}} for gpu, eager and graph. The host-clock modes interleave the
+    callables sample by sample, in an order rotated each time, so drift falls on each alike
+    (the same small graph replay moved 16.5-22 us between rounds of whole blocks,
+    results/lookup_host_vs_vllm_h200_beabf19.md); small lookups also time vLLM against
+    itself (`vllm_again`: its own graphs), the spread two equal callables show."""
+    found = {"gpu": {}}
     graphs = {}
     for name, fn in fns.items():
+        for _ in range(FUSE_AT):  # steady state: fused graphs captured before timing
+            for hashes in id_sets:
+                fn(hashes, out)
         found["gpu"][name] = stats(time_launches(
             lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s))
         graphs[name] = capture(fn, id_sets, out)
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            samples["eager"][name] += time_launches(
-                lambda i: fn(id_sets[i % len(id_sets)], out), budget_s=budget_s / ROUNDS,
-                min_reps=4, wall=True)
-            samples["graph"][name] += time_launches(
-                lambda i: graphs[name][i % len(graphs[name])].replay(),
-                budget_s=budget_s / ROUNDS, min_reps=4, wall=True)
-    for mode, by_name in samples.items():
-        found[mode] = {name: stats(times) for name, times in by_name.items()}
+    eager = {name: (lambda i, fn=fn: fn(id_sets[i % len(id_sets)], out))
+             for name, fn in fns.items()}
+    replay = {name: (lambda i, g=g: g[i % len(g)].replay()) for name, g in graphs.items()}
+    if out.shape[0] * out.shape[1] <= AA_MAX_ROWS:
+        eager["vllm_again"] = eager["vllm"]
+        again = capture(fns["vllm"], id_sets, out)
+        replay["vllm_again"] = lambda i: again[i % len(again)].replay()
+    found["eager"] = interleaved_wall(eager, budget_s)
+    found["graph"] = interleaved_wall(replay, budget_s)
+    return found
+
+
+def interleaved_wall(calls: dict, budget_s: float) -> dict:
+    """{name: stats + p10/p90} of host-clock times (sync, call, sync; L2 flushed before),
+    the callables taking turns sample by sample."""
+    flush = _flush_buffer()
+    for fn in calls.values():
+        for i in range(3):
+            fn(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for fn in calls.values():
+        fn(0)
+    torch.cuda.synchronize()
+    per_turn = time.perf_counter() - start
+    reps = int(max(WALL_MIN_REPS, min(WALL_MAX_REPS, budget_s * len(calls) / per_turn)))
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for i in range(reps):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            flush.zero_()
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            calls[name](i)
+            torch.cuda.synchronize()
+            samples[name].append(1e3 * (time.perf_counter() - begin))
+    return {name: spread(times) for name, times in samples.items()}
+
+
+def spread(times: list[float]) -> dict:
+    """stats() with the 10th and 90th percentiles."""
+    ordered = sorted(times)
+    found = stats(times)
+    found.update(p10_ms=ordered[len(ordered) // 10], p90_ms=ordered[(9 * len(ordered)) // 10])
     return found
 
 
@@ -164,13 +213,17 @@ def capture(fn, id_sets, out) -> list:
 
 def host_us(fns, id_sets, out) -> dict:
     """Host microseconds per call, back to back (best of 3 rounds), the GPU held by a sleep
-    kernel meanwhile so launches only queue."""
+    kernel meanwhile so launches only queue. Each id set is met FUSE_AT times first, as
+    vLLM's staging buffers are call after call (sorted lookups: one fused graph replay);
+    `patch_unfused` (host tables) is the launcher with no fused graphs (ids and output at
+    new addresses each call: bucket graph + launch)."""
     # Few enough calls that the launch queue never fills (the host would then wait).
     calls = 50 if out.shape[0] * out.shape[1] < 100_000 else 10
     found = {}
     for name, fn in fns.items():
-        for hashes in id_sets[:2]:
-            fn(hashes, out)  # warm: compiled, prepared
+        for _ in range(FUSE_AT):
+            for hashes in id_sets[:min(calls, len(id_sets))]:
+                fn(hashes, out)  # warm: compiled, prepared, graphs captured
         torch.cuda.synchronize()
         best = float("inf")
         for _ in range(3):
@@ -208,6 +261,9 @@ def run(args) -> dict:
                 cases.extend(report.case_rows(placement, out_kind, num_tokens * NUM_COLS,
                                               timed, equal))
                 if num_tokens in (64, 2731, 65536):
+                    if placement == "host":
+                        fns["patch_unfused"] = LookupLauncher(
+                            head_dim=HEAD_DIM, fuse_graphs=False, **case.source)
                     host.append(dict(placement=placement, out=out_kind,
                                      rows=num_tokens * NUM_COLS,
                                      **host_us(fns, id_sets, out)))

@@ -4,8 +4,9 @@
 #   pip download --no-deps vllm==0.33.0 -d .tmp/vllm033
 #   unzip -o -j .tmp/vllm033/vllm-0.33.0*.whl 'vllm/models/deepseek_v41/common/engram.py' -d .vllm_ref/
 # with /.vllm_ref/ in .git/info/exclude). Runs the model-lookup GPU tests, a quick pass of the
-# kernel's tests (no regression) and benchmarks/bench_model_lookup.py. Lands in $OUT:
-# env.txt pytest.log bench.log bench.json bench.md.
+# kernel's tests (no regression), benchmarks/lookup_order_study.py (skip: STUDY_TIMEOUT_S=0)
+# and benchmarks/bench_model_lookup.py. Lands in $OUT: env.txt pytest.log order.{log,json,md}
+# bench.{log,json,md}.
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_model_lookup.sh [--quick]
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -18,6 +19,12 @@ t0=$SECONDS
 timeout 70 python3 -m pytest tests/gpu/test_lookup.py -q -p no:cacheprovider -rfEs \
     -k "test_hbm or narrow" >> "$OUT/pytest.log" 2>&1
 echo "kernel tests rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
+
+t0=$SECONDS
+timeout ${STUDY_TIMEOUT_S:-150} python3 benchmarks/lookup_order_study.py --json "$OUT/order.json" \
+    --md "$OUT/order.md" --commit "${ENGRAM_COMMIT:-unknown}" > "$OUT/order.log" 2>&1
+echo "order study rc=$? in $((SECONDS - t0)) s"
+tail -12 "$OUT/order.log"
 
 t0=$SECONDS
 timeout ${BENCH_TIMEOUT_S:-300} python3 benchmarks/bench_model_lookup.py --json "$OUT/bench.json" \

@@ -29,6 +29,12 @@ def case_rows(placement: str, out: str, rows: int, timed: dict, equal: bool) -> 
                    p99_ms={name: s["p99_ms"] for name, s in timed[mode].items()})
         if "vllm_sorted" in median:
             row.update(vllm_unsorted_ms=median["vllm"], vllm_sorted_ms=median["vllm_sorted"])
+        if "vllm_again" in median:  # vLLM timed against itself (A/A)
+            row["vllm_again_ms"] = median["vllm_again"]
+        spreads = {name: [s["p10_ms"], s["p90_ms"]] for name, s in timed[mode].items()
+                   if "p10_ms" in s}
+        if spreads:
+            row["p10_p90_ms"] = spreads
         found.append(row)
     return found
 
@@ -64,7 +70,9 @@ def finish(cases: list[dict], host: list[dict], args) -> dict:
     import subprocess
 
     import torch
-    host_us = {name: max(h[name] for h in host) for name in ("vllm", "kernel", "patch")}
+    host_us = {name: max(h[name] for h in host if name in h)
+               for name in ("vllm", "kernel", "patch", "patch_unfused")
+               if any(name in h for h in host)}
     return dict(cases=cases, host_us=host_us, host_us_cases=host,
                 targets=check_targets(cases, host_us),
                 device=torch.cuda.get_device_name(0),
@@ -91,17 +99,46 @@ def markdown(result: dict) -> str:
                      f"{c['vllm_ms']:.4f} | {c['kernel_ms']:.4f} | {c['patch_ms']:.4f} | "
                      f"{c['vllm_ms'] / c['patch_ms']:.2f} | {c['patch_ms'] / c['kernel_ms']:.3f}"
                      f" | {'yes' if c['bitwise_equal_vllm'] else 'NO'} |")
-    lines += ["", "Host time per call (us; back to back, GPU held by a sleep kernel):", "",
-              "| placement | out | rows | vLLM 0.33 | kernel alone | patch |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += _spread_lines(result["cases"])
+    lines += ["", "Host time per call (us; back to back, GPU held by a sleep kernel; every id "
+              "set met before, as vLLM's staging buffers are; `patch, unfused`: the launcher "
+              "with no fused graphs, i.e. ids and output at new addresses):", "",
+              "| placement | out | rows | vLLM 0.33 | kernel alone | patch | patch, unfused |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for h in result["host_us_cases"]:
+        unfused = f"{h['patch_unfused']:.1f}" if "patch_unfused" in h else "-"
         lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {h['vllm']:.1f} | "
-                     f"{h['kernel']:.1f} | {h['patch']:.1f} |")
+                     f"{h['kernel']:.1f} | {h['patch']:.1f} | {unfused} |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         worst = f" (worst: {t['worst']})" if t["worst"] else ""
         lines.append(f"- {'PASS' if t['passed'] else 'FAIL'}: {t['target']}: {t['value']}{worst}")
     return "\n".join(lines) + "\n"
+
+
+def _spread_lines(cases: list[dict]) -> list[str]:
+    """Host-clock modes where vLLM was also timed against itself, and every case slower than
+    vLLM: medians with p10-p90 in us."""
+    def cell(case, name, median_key):
+        low, high = case["p10_p90_ms"][name]
+        return f"{1e3 * case[median_key]:.1f} ({1e3 * low:.1f}-{1e3 * high:.1f})"
+
+    shown = [c for c in cases if "p10_p90_ms" in c
+             and ("vllm_again_ms" in c or c["vllm_ms"] < c["patch_ms"])]
+    if not shown:
+        return []
+    lines = ["", "Host-clock samples (us, median (p10-p90)), taken in turn: small lookups "
+             "(with vLLM timed against itself, `vLLM again`) and every case where the patch's "
+             "median is above vLLM's:", "",
+             "| placement | out | rows | mode | vLLM | vLLM again | patch | patch / vLLM |",
+             "| --- | --- | ---: | --- | --- | ---: | --- | ---: |"]
+    for c in shown:
+        vllm_name = "vllm_sorted" if c.get("vllm_sorted_ms") == c["vllm_ms"] else "vllm"
+        again = f"{1e3 * c['vllm_again_ms']:.1f}" if "vllm_again_ms" in c else "-"
+        lines.append(f"| {c['placement']} | {c['out']} | {c['rows']:,} | {c['mode']} | "
+                     f"{cell(c, vllm_name, 'vllm_ms')} | {again} | "
+                     f"{cell(c, 'patch', 'patch_ms')} | {c['patch_ms'] / c['vllm_ms']:.3f} |")
+    return lines
 
 
 def summary(result: dict) -> str:

@@ -11,8 +11,10 @@ NOTES:
   a cache-key hash, launch hooks); the decisions it makes depend only on what the entry key
   holds (argument dtypes, 16-byte pointer alignment, constexprs; the three ints are not
   specialized), so a compiled kernel found once is launched directly after that.
-- Sorted lookups order their ids through `GraphSort` (kernels/lookup_order.py): torch.sort
-  replayed from a CUDA graph, 16.5-18 us of host time instead of 69-76 us.
+- Sorted lookups order their ids through `GraphSort` (kernels/lookup_order.py): once an
+  (ids address, output address, size) has come back `FUSE_AT` times, ordering and lookup
+  replay as one CUDA graph; other calls replay the ordering from a graph per size bucket and
+  launch the kernel after it (torch.sort op by op: 69-76 us of host time).
 - vLLM hands each layer's hashes as a column slice of `[T, L, C]` int32: the kernel reads them
   through their token stride (IDS_COLS), so no id is converted or copied before the launch.
 """
@@ -29,8 +31,8 @@ import triton
 from engram_ray.host_memory import is_huge_page_backed
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel
 from engram_ray.kernels.lookup_order import GraphSort
-from engram_ray.kernels.lookup_policy import (SORT_MIN_ROWS, TILE_POLICY, choose_block_rows,
-                                              split_words, tile_config)
+from engram_ray.kernels.lookup_policy import (ORDER_BY, SORT_MIN_ROWS, TILE_POLICY,
+                                              choose_block_rows, split_words, tile_config)
 from engram_ray.reference import row_bytes_for
 
 OUT_DTYPES = {torch.uint8: "packed", torch.bfloat16: "bf16"}
@@ -137,14 +139,16 @@ class LookupLauncher:
     `launcher(row_ids, out)`: row_ids int32/int64 `[T, C]` (-1 = no row), contiguous or with
     unit column stride, on `device`; out contiguous uint8 `[T, C, row_bytes]` (packed) or bf16
     `[T, C, head_dim]`, on `device`. Returns `out`. Options (`block_rows`, `programs_per_sm`,
-    `num_warps`, `prefetch`, `sort_rows`): None = the measured policy.
+    `num_warps`, `prefetch`, `sort_rows`, `order`: "sort" by row or "blocks" by table block):
+    None = the measured policy; `fuse_graphs=False` keeps sorted lookups off fused graphs.
     """
 
     def __init__(self, *, head_dim: int, table: torch.Tensor | None = None,
                  peer_bases: torch.Tensor | None = None, rows_per_rank: int | None = None,
                  device: torch.device | None = None, block_rows: int | None = None,
                  programs_per_sm: int | None = None, num_warps: int | None = None,
-                 prefetch: bool | None = None, sort_rows: bool | None = None):
+                 prefetch: bool | None = None, sort_rows: bool | None = None,
+                 order: str | None = None, fuse_graphs: bool = True):
         check_table(head_dim, table, peer_bases, rows_per_rank,
                     is_interpreted=device is not None and device.type == "cpu")
         self.head_dim, self.row_bytes = head_dim, row_bytes_for(head_dim)
@@ -165,9 +169,12 @@ class LookupLauncher:
         self._sort_min_rows = SORT_MIN_ROWS[self.placement]
         self._launches: dict[tuple, _Launch] = {}
         self._hooks = _launch_hooks()
+        self._fuse_graphs = fuse_graphs
         self._stream = self._current_device = self._graph_sort = None
         if self.device.type == "cuda":
-            self._graph_sort = GraphSort()
+            table_rows = (self.table.shape[0] if self.table is not None
+                          else self.rows_per_rank * self.peer_bases.numel())
+            self._graph_sort = GraphSort(order or ORDER_BY[self.placement], table_rows)
             from triton.runtime import driver
             self._stream = driver.active.get_current_stream
             self._current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -217,21 +224,38 @@ class LookupLauncher:
                              f"{tuple(row_ids.shape)} on {row_ids.device}; expected a contiguous "
                              f"{tuple(row_ids.shape) + (width,)} output and ids on {self.device}")
         ids = dst_rows = row_ids
-        if launch.is_sorted:
-            ordered = (self._graph_sort(row_ids, self._stream(device_index))
-                       if self._graph_sort is not None else None)
-            ids, dst_rows = ordered or row_ids.reshape(-1).sort()
-            ids_stride = 0
         num_programs = min(-(-num_rows // launch.block_rows), launch.max_programs)
+        is_direct = (launch.direct is not None and not self._hooks
+                     and self._current_device() == device_index)
+        if launch.is_sorted:
+            sorter = self._graph_sort
+            if sorter is None:  # CPU tensors (Triton's interpreter)
+                ids, dst_rows = row_ids.reshape(-1).sort()
+            else:
+                stream = self._stream(device_index)
+                if is_direct and self._fuse_graphs and sorter.run_fused(
+                        (key, row_ids.shape, ids_stride, row_ids.data_ptr(), out.data_ptr()),
+                        row_ids, stream, lambda ids, dst: self._launch_direct(
+                            launch, ids, dst, out, num_rows, num_programs, device_index)):
+                    return out  # ordering + lookup: one graph replay
+                ids, dst_rows = sorter(row_ids, stream) or sorter.order_now(row_ids)
+            ids_stride = 0
         args = (self.src, ids, dst_rows, out, num_rows, self.rows_per_rank, num_programs,
                 ids_stride, *launch.constexprs)
-        if (launch.direct is not None and not self._hooks
-                and self._current_device() == device_index):
+        if is_direct:
             launch.direct(num_programs, 1, 1, self._stream(device_index), *launch.direct_args,
                           *args)
         elif not self._launch_jit(launch, args, num_programs):
             return self(row_ids, out)  # the table is now read as a one-rank peer table
         return out
+
+    def _launch_direct(self, launch: _Launch, ids, dst_rows, out, num_rows, num_programs,
+                       device_index) -> None:
+        """A sorted launch of the compiled kernel on the current stream (inside a capture:
+        the capture's)."""
+        launch.direct(num_programs, 1, 1, self._stream(device_index), *launch.direct_args,
+                      self.src, ids, dst_rows, out, num_rows, self.rows_per_rank, num_programs,
+                      0, *launch.constexprs)
 
     def _launch_jit(self, launch: _Launch, args: tuple, num_programs: int) -> bool:
         """Launch through Triton's JIT (compiling on first use) and keep the compiled kernel.

@@ -110,6 +110,9 @@ TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, N
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
 # share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
 SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
+# How sorted lookups order their ids (kernels/lookup_order.py): "sort" (torch.sort, by row) or
+# "blocks" (a counting sort by table block of >= 256 KiB).
+ORDER_BY = {"hbm": "sort", "peer": "sort", "host": "sort", "host_thp": "sort"}
 # Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
 # were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264

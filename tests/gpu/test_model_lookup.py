@@ -158,3 +158,40 @@ def test_sorted_host_lookups_order_ids_through_replayed_graphs(hbm_table, host_t
     graphs = reader._read._graph_sort._graphs
     assert set(graphs) == {(1 << 16, torch.int32), (1 << 17, torch.int32),
                            (1 << 16, torch.int64)}
+
+
+@pytest.mark.parametrize("order", ["sort", "blocks"])
+def test_sorted_host_lookups_replay_ordering_and_lookup_as_one_graph(hbm_table, host_table,
+                                                                    order):
+    """Sorted host lookups at one (ids, output) address: from the FUSE_AT-th call ordering and
+    lookup replay as one graph (by row and by table block), on new hashes each call, on
+    another stream, at a smaller size (a graph of its own) and inside a caller's capture
+    (op by op there); each bit-exact against the reference."""
+    from engram_ray.kernels.lookup_launch import LookupLauncher
+    from engram_ray.kernels.lookup_order import FUSE_AT
+    launcher = LookupLauncher(head_dim=HEAD_DIM, table=host_table, order=order)
+    hashes = torch.empty(2000, NUM_LAYERS, NUM_COLS, dtype=torch.int32, device="cuda:0")
+    outs = {kind: poisoned((2000, NUM_COLS), kind) for kind in ("packed", "bf16")}
+    side = torch.cuda.Stream()
+    calls = [(2000, None)] * (FUSE_AT + 1) + [(2000, side), (1500, None)] * FUSE_AT
+    for seed, (tokens, stream) in enumerate(calls):
+        for kind, staged in outs.items():
+            ids = _fill_hashes(hashes, 1, 700 + seed)[:tokens]
+            staged.view(torch.uint8).fill_(0xA5)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream or torch.cuda.current_stream()):
+                launcher(hashes[:tokens, 1], staged[:tokens])
+            torch.cuda.synchronize()
+            assert_bitwise(staged[:tokens], lookup_reference(hbm_table, ids, HEAD_DIM, kind))
+    assert len(launcher._graph_sort._fused) == 4  # (2000, 1500 tokens) x (packed, bf16)
+    staged = outs["packed"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launcher(hashes[:, 1], staged)
+    for seed in range(3):
+        ids = _fill_hashes(hashes, 1, 900 + seed)
+        staged.fill_(0xA5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, "packed"))
