@@ -12,7 +12,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 
 t0=$SECONDS
-timeout 120 python3 -m pytest tests/gpu/test_model_lookup.py -q -p no:cacheprovider -x -rfEs \
+timeout 180 python3 -m pytest tests/gpu/test_model_lookup.py -q -p no:cacheprovider -x -rfEs \
     > "$OUT/pytest.log" 2>&1
 echo "model lookup tests rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
 t0=$SECONDS

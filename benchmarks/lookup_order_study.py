@@ -47,7 +47,7 @@ def variants(case) -> dict:
 def order_only(fns, id_sets, budget_s) -> dict:
     """GPU ms of each ordering alone, op by op into the sorter's buffers."""
     found = {}
-    for order in ORDERS:
+    for order in (o for o in ORDERS if o in fns):
         sorter = fns[order]._graph_sort
         num_rows = id_sets[0].numel()
         sorter._grow(1 << (num_rows - 1).bit_length(), id_sets[0].dtype, id_sets[0].device)
@@ -88,6 +88,13 @@ def run(args) -> dict:
             id_sets = case.ids_for(case.id_sets(tokens, seed=tokens))
             out = torch.empty(tokens, NUM_COLS, bench.WIDTH[out_kind],
                               dtype=bench.DTYPE[out_kind], device="cuda:0")
+            for name in list(fns):  # a variant that fails is reported and left out
+                try:
+                    fns[name](id_sets[0], out)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001
+                    print(f"variant {name} failed: {exc!r}", flush=True)
+                    del fns[name]
             fns_for_equal = {"vllm": fns["vllm_sorted"], **fns}
             row = dict(rows=tokens * NUM_COLS, out=out_kind,
                        bitwise_equal_vllm=bench.bitwise_equal(case, fns_for_equal, tokens,
@@ -103,7 +110,8 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    names = list(result["rows"][0]["gpu_ms"])
+    nan = float("nan")
+    names = list(result["rows"][0]["gpu_ms"])  # every row has the first row's variants
     lines = [f"# Sorted host lookups: ordering variants vs vLLM 0.33's sorted launch "
              f"({result['device']})", "", f"{result['date']}, commit {result['commit']}, "
              f"torch {result['torch']}; {result['host_gib']} GiB pinned host table, 24 columns, "
@@ -116,7 +124,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['rows']:,} | {r['out']} | "
                      + " | ".join(f"{r['gpu_ms'][n]:.4f}" for n in names)
-                     + f" | {r['order_gpu_ms']['sort']:.4f} / {r['order_gpu_ms']['blocks']:.4f}"
+                     + f" | {r['order_gpu_ms'].get('sort', nan):.4f} / "
+                     f"{r['order_gpu_ms'].get('blocks', nan):.4f}"
                      + " | " + " / ".join(f"{r['host_us'][n]:.1f}" for n in names)
                      + f" | {r['bitwise_equal_vllm']} |")
     return "\n".join(lines) + "\n"
