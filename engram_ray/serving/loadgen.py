@@ -155,7 +155,11 @@ def _read_answer(answer: dict, result: RequestResult) -> None:
 
 
 def _client(num_connections: int, timeout_s: float):
+    import logging
+
     import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
     return httpx.AsyncClient(limits=httpx.Limits(max_connections=num_connections + 8),
                              timeout=timeout_s)

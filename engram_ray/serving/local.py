@@ -38,6 +38,7 @@ class LocalOptions:
     # (the same two engines, each its own group: one keeps serving while the other restarts).
     num_peer_groups: int | None = None
     peer_group_size: int | None = None
+    name: str | None = None  # deployment.name (its shared memory and store are named by it)
 
 
 def log(text: str) -> None:
@@ -67,6 +68,8 @@ class LocalDeployment:
             args["serving"]["num_peer_groups"] = opts.num_peer_groups
         if opts.peer_group_size is not None:
             args["deployment"]["peer_group_size"] = opts.peer_group_size
+        if opts.name is not None:
+            args["deployment"]["name"] = opts.name
         doc["http_options"]["port"] = opts.port
         self.doc, self.app_name, self.args = doc, app["name"], args
         self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}
@@ -246,9 +249,11 @@ class LocalDeployment:
         """A Prometheus on 127.0.0.1:`port` scraping the engines (dashboards/prometheus.yml)."""
         from engram_ray.serving.prometheus import Prometheus, scrape_config
 
-        config_file = Path(__file__).resolve().parents[2] / "dashboards" / "prometheus.yml"
-        if not config_file.exists():
-            raise EngramRayError(f"{config_file} not found: --prometheus-port needs a checkout")
+        # Package data (engram_ray.dashboards): there in a checkout and in a pip install.
+        config_file = resources.files("engram_ray.dashboards") / "prometheus.yml"
+        if not config_file.is_file():
+            raise EngramRayError(f"{config_file} not found: reinstall engram-ray (the package "
+                                 "ships dashboards/prometheus.yml)")
         self.prometheus = Prometheus(scrape_config(
             config_file, self.config.serving.prometheus_targets_file, None, "5s"), port=port,
             workdir=self.options.workdir)
