@@ -182,15 +182,18 @@ def run_load(base_url: str, model: str, **kwargs) -> LoadReport:
 
 class Traffic:
     """`concurrency` clients sending requests one after another (streamed and not,
-    completions and chat, in turn) from start() until stop(), in a thread of its own.
+    completions and chat, in turn; a pause of `backoff_s` after a failure) from start()
+    until stop(), in a thread of its own.
 
         traffic = Traffic(url, model, concurrency=8).start(); ...; results = traffic.stop()
     """
 
     def __init__(self, base_url: str, model: str, concurrency: int = 8, max_tokens: int = 24,
-                 timeout_s: float = 120.0, prompt: str = "The river"):
+                 timeout_s: float = 120.0, prompt: str = "The river",
+                 backoff_s: float = 0.5):
         self.base_url, self.model, self.prompt = base_url, model, prompt
         self.concurrency, self.max_tokens, self.timeout_s = concurrency, max_tokens, timeout_s
+        self.backoff_s = backoff_s  # a client pauses this long after a failed request
         self.results: list[RequestResult] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -211,9 +214,12 @@ class Traffic:
             async def client() -> None:
                 while not self._stop.is_set():
                     i = next(turn)
-                    self.results.append(await one_request(
+                    result = await one_request(
                         http, self.base_url, self.model, self.prompt, self.max_tokens,
-                        chat=i % 2 == 1, stream=i % 4 < 2))
+                        chat=i % 2 == 1, stream=i % 4 < 2)
+                    self.results.append(result)
+                    if not result.ok:
+                        await asyncio.sleep(self.backoff_s)
             await asyncio.gather(*(client() for _ in range(self.concurrency)))
 
 

@@ -223,10 +223,12 @@ def test_100_concurrent_streams_without_failure(local):
 def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     """One engine killed under load: Serve stops its whole group (the survivor too) and starts
     a new gang; answers, each tagged with the generation that produced it, never come from
-    the old generation once the new one has answered."""
+    the old generation once the new one has answered. With the only group down, no request is
+    lost silently and new ones fail fast: 503 with Retry-After, until the group serves again."""
     import ray
 
-    from engram_ray.serving.loadgen import check_generation_order, probe_generations
+    from engram_ray.serving.loadgen import LOST, Traffic, check_generation_order, \
+        probe_generations
 
     if ray.is_initialized():  # a driver left by an earlier module would refuse a second init
         ray.shutdown()
@@ -239,27 +241,28 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
                     if "EngramLLMServer" in a["name"]]
         assert len(replicas) == 2, replicas
         victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
-        in_flight = {}
-        loader = threading.Thread(target=lambda: in_flight.update(report=run_load(
-            f"{local.url}/v1", MODEL, num_streams=20, max_tokens=300, timeout_s=120)))
+        traffic = Traffic(f"{local.url}/v1", MODEL, concurrency=8, max_tokens=64).start()
         prober.start()
-        loader.start()
-        time.sleep(1.0)
+        time.sleep(3.0)
         killed_at = time.monotonic()
         ray.kill(victim, no_restart=True)
-        loader.join(180)
         recovered_s = _wait_until_serving_generation(local, 2, timeout_s=600) - killed_at
         time.sleep(2)  # a few answers from the new generation
+        results = traffic.stop()
         now = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if "EngramLLMServer" in a["name"]}
     finally:
         stop.set()
         prober.join(120)
         ray.shutdown()
-    failures = in_flight["report"].failures
-    print(f"recovered after {recovered_s:.0f} s; {len(failures)} of 20 in-flight streams failed:"
-          f" {sorted({f.error for f in failures})}")
+    failures = [r for r in results if not r.ok]
+    print(f"recovered after {recovered_s:.0f} s; {len(results)} requests, {len(failures)} "
+          f"failed: {sorted({f.error[:80] for f in failures})[:5]}")
+    assert not [r for r in results if r.outcome == LOST]
     assert all(f.error for f in failures)  # a failure says what happened
+    late = [r for r in failures if r.started_at > killed_at + 2.0]
+    assert late and all(r.status == 503 and r.retry_after for r in late), late[:3]
+    assert max(r.total_s for r in late) < 5.0  # refused at once, not held
     (order,) = check_generation_order(probe["answers"]).values()
     assert len(order) == 2 and order[1].split(".")[1] == "2", order
     assert len(now) == 2 and now.isdisjoint(a["name"] for a in replicas)  # survivor replaced too
