@@ -134,7 +134,9 @@ class Coordinator:
                 replica_id = pending.pop(ref)
                 try:
                     ray.get(ref)
-                except Exception as exc:  # RayActorError, ActorUnavailableError: gone
+                except ray.exceptions.ActorUnavailableError:
+                    continue  # unreachable for now (restarting, a network blip): ask again
+                except Exception as exc:  # ActorDiedError: gone for good
                     with self._lock:
                         if self._actors.pop(replica_id, None) is not None:
                             self._break_locked(replica_id, "replica actor lost "

@@ -20,6 +20,7 @@ import contextvars
 import itertools
 import json
 import logging
+import time
 
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
@@ -28,6 +29,10 @@ logger = logging.getLogger("ray.serve")
 RETRY_AFTER_S = 5          # a restarting group serves again after tens of seconds at best
 ROUTING_POLL_S = 10.0      # long-poll timeout of the coordinator's routing table
 BROKEN_WAIT_S = 0.5        # after a 5xx first chunk: how long to wait for the group's report
+# A group this ingress saw fail is skipped this long unless the coordinator reports a new
+# generation sooner; after that the coordinator's word (it finds a dead member within a
+# second) decides, so a transient error cannot take a healthy group out for good.
+LOST_HINT_S = 10.0
 # The failures of a group (not of a request): the replica or its engine is gone.
 GROUP_FAILURES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
                   "DeploymentUnavailableError", "EngineDeadError", "EngineGenerateError"}
@@ -67,7 +72,7 @@ class GroupRouting:
     def __init__(self, deployment_name: str):
         self.deployment_name = deployment_name
         self.table: dict[str, dict] | None = None  # None: not known yet (route to every group)
-        self.lost: set[tuple[str, str | None]] = set()  # (group id, generation)
+        self.lost: dict[tuple[str, str | None], float] = {}  # (group, generation) -> when
         self._updated = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -94,7 +99,8 @@ class GroupRouting:
             logger.info("engram-ray ingress: routing %s", {
                 g: "serving" if r["serving"] else r["reason"] for g, r in table.items()})
         self.table = table
-        self.lost = {(g, gen) for g, gen in self.lost if table.get(g, {}).get("generation") == gen}
+        self.lost = {(g, gen): at for (g, gen), at in self.lost.items()
+                     if table.get(g, {}).get("generation") == gen}
         self._updated.set()
         self._updated = asyncio.Event()
 
@@ -102,12 +108,13 @@ class GroupRouting:
         return (self.table or {}).get(group_id, {}).get("generation")
 
     def is_serving(self, group_id: str) -> bool:
-        if (group_id, self.generation(group_id)) in self.lost:
+        lost_at = self.lost.get((group_id, self.generation(group_id)))
+        if lost_at is not None and time.monotonic() - lost_at < LOST_HINT_S:
             return False
         return self.table is None or self.table.get(group_id, {}).get("serving", False)
 
     def mark_lost(self, group_id: str, generation: str | None) -> None:
-        self.lost.add((group_id, generation))
+        self.lost.setdefault((group_id, generation), time.monotonic())
 
     async def wait_not_serving(self, group_id: str, timeout_s: float) -> bool:
         """True once the coordinator reports `group_id` not serving (within `timeout_s`)."""

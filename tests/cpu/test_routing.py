@@ -145,3 +145,16 @@ def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
         assert await waiter
         assert await routing.wait_not_serving("group-1", 0.01)  # a group it has no word of
     asyncio.run(scenario())
+
+
+def test_a_failure_seen_only_by_the_ingress_expires(monkeypatch):
+    """A transient error must not take a group the coordinator calls healthy out for good."""
+    import engram_ray.serving.ingress as ingress
+
+    monkeypatch.setattr(ingress, "LOST_HINT_S", 0.05)
+    routing = GroupRouting("unused")
+    routing._update({"group-0": {"generation": "g.1", "serving": True, "reason": None}})
+    routing.mark_lost("group-0", "g.1")
+    assert not routing.is_serving("group-0")
+    time.sleep(0.06)
+    assert routing.is_serving("group-0")
