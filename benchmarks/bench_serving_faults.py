@@ -47,6 +47,7 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
     from engram_ray.serving.probes import probe_summary, run_probes
 
     num_groups, size = LAYOUTS[layout]
+    code_commit = commit()  # the code this run imports, whatever lands while it runs
     deployment = LocalDeployment(LocalOptions(workdir=workdir, port=port, name="faults",
                                               num_peer_groups=num_groups,
                                               peer_group_size=size))
@@ -67,7 +68,7 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
     finally:
         deployment.stop()
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit(), "device": machine(), "layout": layout,
+            "commit": code_commit, "device": machine(), "layout": layout,
             "num_peer_groups": num_groups, "peer_group_size": size,
             "concurrency": concurrency, "max_tokens": max_tokens,
             "startup_s": round(startup_s, 1), "kills": kills,
