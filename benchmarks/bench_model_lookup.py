@@ -159,7 +159,8 @@ def time_modes(fns, id_sets, out, budget_s: float) -> dict:
 
 def interleaved_wall(calls: dict, budget_s: float) -> dict:
     """{name: stats + p10/p90} of host-clock times (sync, call, sync; L2 flushed before),
-    the callables taking turns sample by sample."""
+    the callables taking turns sample by sample. `calls[name](j)` reads id set j (mod the
+    number of sets)."""
     flush = _flush_buffer()
     for fn in calls.values():
         for i in range(3):
@@ -179,7 +180,10 @@ def interleaved_wall(calls: dict, budget_s: float) -> dict:
             flush.zero_()
             torch.cuda.synchronize()
             begin = time.perf_counter()
-            calls[name](i)
+            # each callable its own id set: a set comes round again only after as many
+            # calls as there are sets (no callable reads rows, or host page translations,
+            # another has just warmed)
+            calls[name](i * len(names) + k)
             torch.cuda.synchronize()
             samples[name].append(1e3 * (time.perf_counter() - begin))
     return {name: spread(times) for name, times in samples.items()}

@@ -4,11 +4,12 @@
 block (`"blocks"`: a counting sort by `row >> shift`, kernels/lookup_order_kernel.py; blocks
 of at least `MIN_BLOCK_BYTES`, at most `MAX_BLOCKS` of them). Two ways in:
 
-- `sorter.run_fused(key, row_ids, stream, launch)`: the whole sorted lookup as one graph
-  replay, captured per `key` (the launcher's key holds the ids' and the output's addresses,
-  shapes and strides: vLLM's staging buffers keep theirs call after call) the `FUSE_AT`-th
-  time it is met: ordering of exactly these ids and `launch(sorted_ids, dst_rows)`, the
-  lookup kernel. True if the call's lookup ran so.
+- `sorter.run_fused(call_key(row_ids, out), row_ids, stream, launch)`: the whole sorted
+  lookup as one graph replay, captured per call key (the ids' and the output's addresses,
+  shapes, strides and dtypes: vLLM's staging buffers keep theirs call after call) the
+  `FUSE_AT`-th time it is met: ordering of exactly these ids and `launch(sorted_ids,
+  dst_rows)`, the lookup kernel. True if the call's lookup ran so. The launcher looks its
+  calls up in `sorter.fused` before anything else and replays a hit (`sorter.replay`).
 - `sorter(row_ids, stream)` -> `(sorted_ids, dst_rows)`: the first `row_ids.numel()` entries
   ordered (buffers of the size bucket's size, owned by the sorter, rewritten by its next
   call), for the caller to launch on; from a graph per size bucket, captured the second time
@@ -28,7 +29,7 @@ NOTES:
   any ordering gives the same output bit for bit; the order only decides which rows are
   read together (for host tables: which page translations are shared).
 - Bucket buffers are padded to the next power of two with the dtype's largest value: pads
-  order last (cub's radix sort is stable; the counting sort gives pads a block of their own).
+  order last (cub's radix sort is stable; the counting sort leaves them out).
 - Buffers are reused call after call: on one stream the next copy in is queued after the last
   launch that read them; a call on another stream first makes that stream wait for the last
   one (`wait_stream`, only when the stream changes).
@@ -43,7 +44,7 @@ MAX_GRAPH_ROWS = 1 << 21  # above: torch.sort (bounds the buffers: 16 bytes a ro
 ORDERS = ("sort", "blocks")
 FUSE_AT = 3  # sightings of one fused key before its capture (the bucket graph: 2)
 MAX_FUSED = 64  # fused graphs per sorter (one per distinct ids/output address and size)
-MAX_BLOCKS = (1 << 15) - 1  # counting-sort blocks (+ the pads' one): one program scans them
+MAX_BLOCKS = 1 << 15  # counting-sort blocks: one program scans them
 MIN_BLOCK_BYTES = 1 << 18  # 256 KiB blocks at least (host translation reach: ~128 MiB)
 ROW_BYTES_FOR_BLOCKS = 264
 _ORDER_BLOCK = 1024  # ids per program of the counting-sort kernels
@@ -66,8 +67,10 @@ def order_by_blocks(ids: torch.Tensor, values: torch.Tensor, indices: torch.Tens
                     counts: torch.Tensor, starts: torch.Tensor, shift: int,
                     num_blocks: int) -> None:
     """values/indices[:n] = the n ids `[T, C]` (any token stride) and their flat positions,
-    ordered by block `row >> shift` (order inside a block: arbitrary). counts: int32
-    `[num_blocks + 1]` zeros (left zeroed), starts: int32 scratch of that size."""
+    ordered by block `row >> shift` (order inside a block: arbitrary; pads left out). counts:
+    int32 `[num_blocks]` zeros (left zeroed), starts: int32 scratch of that size."""
+    import triton
+
     from engram_ray.kernels.lookup_order_kernel import _count_blocks, _scan_blocks, _scatter_ids
     num_rows = ids.numel()
     ids_cols, ids_stride = 0, 0
@@ -77,9 +80,16 @@ def order_by_blocks(ids: torch.Tensor, values: torch.Tensor, indices: torch.Tens
     shape = dict(SHIFT=shift, NUM_BLOCKS=num_blocks, PAD=torch.iinfo(ids.dtype).max,
                  IDS_COLS=ids_cols, BLOCK=_ORDER_BLOCK)
     _count_blocks[grid](ids, counts, num_rows, ids_stride, **shape, num_warps=4)
-    _scan_blocks[(1,)](counts, starts, NUM_SLOTS=1 << num_blocks.bit_length(),
+    _scan_blocks[(1,)](counts, starts, NUM_SLOTS=triton.next_power_of_2(num_blocks),
                        NUM_BLOCKS=num_blocks, num_warps=16)
     _scatter_ids[grid](ids, starts, values, indices, num_rows, ids_stride, **shape, num_warps=4)
+
+
+def call_key(row_ids: torch.Tensor, out: torch.Tensor) -> tuple:
+    """What a fused graph bakes in of a call: the ids' and the output's address, shape,
+    strides and dtype (the launch decisions follow from these)."""
+    return (row_ids.data_ptr(), row_ids.shape, row_ids.stride(), row_ids.dtype,
+            out.data_ptr(), out.shape, out.stride(), out.dtype)
 
 
 class GraphSort:
@@ -91,26 +101,37 @@ class GraphSort:
         self.order = order
         self.shift, self.num_blocks = block_shift(table_rows)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, dtype) -> graph
-        self._fused: dict[tuple, tuple] = {}  # launcher key -> (graph, ids dtype)
+        # call key (`call_key`) -> (graph, ids dtype); read by the launcher before anything
+        # else, so changed in place only
+        self.fused: dict[tuple, tuple] = {}
         self._buffers: dict[torch.dtype, tuple] = {}  # dtype -> (keys, values, indices)
         self._seen: dict[tuple, int] = {}  # sightings of buckets and fused keys
-        self._counts = self._starts = None  # counting sort: int32 [num_blocks + 1] each
-        self._pool = None
+        self._counts = self._starts = None  # counting sort: int32 [num_blocks] each
+        self._pool = self._device = None
         self._stream = self._torch_stream = None  # the last call's stream: handle, torch
 
     def run_fused(self, key: tuple, row_ids: torch.Tensor, stream, launch) -> bool:
-        """This call's lookup as one replay of ordering + `launch` (module doc)."""
+        """This call's lookup as one replay of ordering + `launch` (module doc); `key` is
+        `call_key(row_ids, out)`."""
         if _is_capturing():  # the caller's capture records the ordering op by op
             return False
-        graph = self._fused.get(key)
-        if graph is None:
+        fused = self.fused.get(key)
+        if fused is None:
             num_rows = row_ids.numel()
-            if (not MIN_GRAPH_ROWS <= num_rows <= MAX_GRAPH_ROWS or len(self._fused) >= MAX_FUSED
+            if (not MIN_GRAPH_ROWS <= num_rows <= MAX_GRAPH_ROWS or len(self.fused) >= MAX_FUSED
                     or self._sighted(key) < FUSE_AT):
                 return False
-            graph = self._capture_fused(key, row_ids, launch)
-        self._use_stream(stream, row_ids.device)
-        graph[0].replay()
+            fused = self._capture_fused(key, row_ids, launch)
+        return self.replay(fused, stream)
+
+    def replay(self, fused: tuple, stream) -> bool:
+        """Replay a fused graph (an entry of `fused`) on the current stream; False inside a
+        caller's capture (nothing done)."""
+        if _is_capturing():
+            return False
+        if stream != self._stream:
+            self._use_stream(stream, None)
+        fused[0].replay()
         return True
 
     def __call__(self, row_ids: torch.Tensor, stream) -> tuple | None:
@@ -137,7 +158,7 @@ class GraphSort:
         num_rows, device = row_ids.numel(), row_ids.device
         values = torch.empty(num_rows, dtype=row_ids.dtype, device=device)
         indices = torch.empty(num_rows, dtype=torch.int64, device=device)
-        counts = torch.zeros(self.num_blocks + 1, dtype=torch.int32, device=device)
+        counts = torch.zeros(self.num_blocks, dtype=torch.int32, device=device)
         order_by_blocks(row_ids, values, indices, counts, torch.empty_like(counts), self.shift,
                         self.num_blocks)
         return values, indices
@@ -150,7 +171,7 @@ class GraphSort:
 
     def _use_stream(self, stream, device) -> None:
         if stream != self._stream:  # new stream: it waits for the buffers' last readers
-            current = torch.cuda.current_stream(device)
+            current = torch.cuda.current_stream(device or self._device)
             if self._torch_stream is not None:
                 current.wait_stream(self._torch_stream)
             self._stream, self._torch_stream = stream, current
@@ -166,16 +187,18 @@ class GraphSort:
             keys.fill_(torch.iinfo(ids.dtype).max)
             return
         if self._counts is None:
-            self._counts = torch.zeros(self.num_blocks + 1, dtype=torch.int32, device=ids.device)
+            self._counts = torch.zeros(self.num_blocks, dtype=torch.int32, device=ids.device)
             self._starts = torch.empty_like(self._counts)
         order_by_blocks(ids, values, indices, self._counts, self._starts, self.shift,
                         self.num_blocks)
 
     def _grow(self, bucket: int, dtype: torch.dtype, device) -> None:
         """Buffers of at least `bucket` entries for `dtype` (graphs over smaller ones dropped)."""
+        self._device = device
         if dtype not in self._buffers or self._buffers[dtype][0].numel() < bucket:
             self._graphs = {k: g for k, g in self._graphs.items() if k[1] != dtype}
-            self._fused = {k: g for k, g in self._fused.items() if g[1] != dtype}
+            for stale in [k for k, g in self.fused.items() if g[1] == dtype]:
+                del self.fused[stale]
             pad = torch.iinfo(dtype).max
             self._buffers[dtype] = (torch.full((bucket,), pad, dtype=dtype, device=device),
                                     torch.empty(bucket, dtype=dtype, device=device),
@@ -218,5 +241,5 @@ class GraphSort:
             self._order(row_ids, values, indices)
             launch(values, indices)
 
-        self._fused[key] = graph = (self._capture(row_ids.device, work), row_ids.dtype)
-        return graph
+        self.fused[key] = fused = (self._capture(row_ids.device, work), row_ids.dtype)
+        return fused

@@ -111,8 +111,10 @@ TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, N
 # share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
 SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
 # How sorted lookups order their ids (kernels/lookup_order.py): "sort" (torch.sort, by row) or
-# "blocks" (a counting sort by table block of >= 256 KiB).
-ORDER_BY = {"hbm": "sort", "peer": "sort", "host": "sort", "host_thp": "sort"}
+# "blocks" (a counting sort by table block of >= 256 KiB: 3 kernels instead of torch.sort's
+# ~a dozen nodes; alone 0.035-0.143 vs 0.068-0.154 ms GPU at 65K-1.57M rows, whole sorted
+# lookups within run-to-run noise of each other, results/lookup_order_h200_a404965.md).
+ORDER_BY = {"hbm": "sort", "peer": "sort", "host": "blocks", "host_thp": "blocks"}
 # Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
 # were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264

@@ -28,7 +28,7 @@ _CHECK = textwrap.dedent("""
         pad = torch.iinfo(dtype).max
         values = torch.full((num + 9,), 123, dtype=dtype)
         indices = torch.full((num + 9,), -5, dtype=torch.int64)
-        counts = torch.zeros(num_blocks + 1, dtype=torch.int32)
+        counts = torch.zeros(num_blocks, dtype=torch.int32)
         starts = torch.empty_like(counts)
         for _ in range(2):  # the counts must come back zeroed for the next call
             order_by_blocks(ids, values, indices, counts, starts, shift, num_blocks)
@@ -40,17 +40,19 @@ _CHECK = textwrap.dedent("""
             assert bool((blocks[1:] >= blocks[:-1]).all()), "blocks out of order"
             assert int(values[num]) == 123 and int(indices[num]) == -5, "wrote past n"
             assert int(counts.abs().sum()) == 0
-        # a padded bucket: pads (the dtype's max) come after every real id
+        # a padded bucket: the real ids first, pads (the dtype's max) left out
         padded = torch.cat([flat, torch.full((5,), pad, dtype=dtype)]).view(-1, 1)
+        values[num:], indices[num:] = 123, -5
         order_by_blocks(padded, values, indices, counts, starts, shift, num_blocks)
-        assert bool((values[num:num + 5] == pad).all()) and bool((values[:num] != pad).all())
+        assert torch.equal(torch.sort(indices[:num]).values, torch.arange(num))
+        assert bool((values[num:] == 123).all()) and bool((indices[num:] == -5).all())
     print("ok order")
 """)
 
 
 def test_counting_sort_under_the_interpreter_orders_ids_by_block(tmp_path):
     """Ids as vLLM hands them (int32 column slices, int64 contiguous, -1 entries): every id
-    with its own position, blocks in order, nothing written past n, pads last."""
+    with its own position, blocks in order, nothing written past n, pads left out."""
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True,
                           text=True, timeout=600)

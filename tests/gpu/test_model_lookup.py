@@ -162,7 +162,7 @@ def test_sorted_host_lookups_order_ids_through_replayed_graphs(hbm_table, host_t
 
 @pytest.mark.parametrize("order", ["sort", "blocks"])
 def test_sorted_host_lookups_replay_ordering_and_lookup_as_one_graph(hbm_table, host_table,
-                                                                    order):
+                                                                    order, monkeypatch):
     """Sorted host lookups at one (ids, output) address: from the FUSE_AT-th call ordering and
     lookup replay as one graph (by row and by table block), on new hashes each call, on
     another stream, at a smaller size (a graph of its own) and inside a caller's capture
@@ -184,8 +184,17 @@ def test_sorted_host_lookups_replay_ordering_and_lookup_as_one_graph(hbm_table, 
                 launcher(hashes[:tokens, 1], staged[:tokens])
             torch.cuda.synchronize()
             assert_bitwise(staged[:tokens], lookup_reference(hbm_table, ids, HEAD_DIM, kind))
-    assert len(launcher._graph_sort._fused) == 4  # (2000, 1500 tokens) x (packed, bf16)
+    assert len(launcher._graph_sort.fused) == 4  # (2000, 1500 tokens) x (packed, bf16)
     staged = outs["packed"]
+    # a call met before goes straight to its graph: no launch decisions looked up
+    launcher._launches.clear()
+    monkeypatch.setattr(launcher, "_prepare", lambda *a: pytest.fail("not replayed"))
+    ids = _fill_hashes(hashes, 1, 800)
+    staged.fill_(0xA5)
+    launcher(hashes[:, 1], staged)
+    torch.cuda.synchronize()
+    assert_bitwise(staged, lookup_reference(hbm_table, ids, HEAD_DIM, "packed"))
+    monkeypatch.undo()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launcher(hashes[:, 1], staged)
