@@ -58,6 +58,28 @@ def order_only(fns, id_sets, budget_s) -> dict:
     return found
 
 
+def host_breakdown(fns, id_sets, out) -> dict:
+    """Host us per call of the fused `blocks` path and of its parts, back to back as
+    bench_model_lookup.host_us: the whole call, the replay alone (`GraphSort.replay`), the
+    call key alone, and a one-kernel graph's bare `replay()` (the floor of any replay)."""
+    from engram_ray.kernels.lookup_order import call_key
+    launcher = fns["blocks"]
+    for _ in range(FUSE_AT):
+        for hashes in id_sets:
+            launcher(hashes, out)
+    sorter, stream = launcher._graph_sort, launcher._stream(0)
+    entries = {id(h): sorter.fused[call_key(h, out)] for h in id_sets}
+    tiny = torch.cuda.CUDAGraph()
+    scratch = torch.zeros(1, device="cuda:0")
+    with torch.cuda.graph(tiny):
+        scratch.add_(1)
+    parts = {"call": launcher,
+             "replay": lambda h, o: sorter.replay(entries[id(h)], stream),
+             "call_key": lambda h, o: call_key(h, o),
+             "one_kernel_graph": lambda h, o: tiny.replay()}
+    return bench.host_us(parts, id_sets, out)
+
+
 def gpu_ms(fns, id_sets, out, budget_s) -> dict:
     samples = {name: [] for name in fns}
     for name, fn in fns.items():
@@ -102,6 +124,8 @@ def run(args) -> dict:
                        gpu_ms=gpu_ms(fns, id_sets, out, args.budget_s),
                        order_gpu_ms=order_only(fns, id_sets, args.budget_s),
                        host_us=bench.host_us(fns, id_sets, out))
+            if "blocks" in fns and tokens == TOKENS[-1]:
+                row["host_us_parts"] = host_breakdown(fns, id_sets, out)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return dict(rows=rows, device=torch.cuda.get_device_name(0), commit=args.commit,
@@ -128,6 +152,11 @@ def markdown(result: dict) -> str:
                      f"{r['order_gpu_ms'].get('blocks', nan):.4f}"
                      + " | " + " / ".join(f"{r['host_us'][n]:.1f}" for n in names)
                      + f" | {r['bitwise_equal_vllm']} |")
+    lines += ["", "Host us per call of the fused `blocks` path at 1.57M rows, and its parts:", ""]
+    for r in result["rows"]:
+        if "host_us_parts" in r:
+            lines.append(f"- {r['out']}: " + ", ".join(f"{k} {v:.1f}"
+                                                     for k, v in r["host_us_parts"].items()))
     return "\n".join(lines) + "\n"
 
 
