@@ -10,4 +10,5 @@ COMMANDS = {
     "doctor": "doctor",
     "node-labels": "node_labels",
     "local": "local",
+    "probe": "probe",
 }

@@ -4,8 +4,9 @@
       deployment: {...}   # engram_ray.config.DeploymentConfig: tables, peer groups, backend
       serving: {...}      # ServingConfig below: the vLLM engines and the OpenAI endpoint
 
-Both sections reject unknown keys by name and validate on construction; `ServeAppConfig`
-checks that they agree (CPU engines need the shm backend, a peer group holds whole
+Both sections (and `serving.request_limits`, the per-request caps of the OpenAI endpoint)
+reject unknown keys by name and validate on construction; `ServeAppConfig` checks that they
+agree (CPU engines need the shm backend, a peer group holds whole
 data-parallel replicas, ...).
 """
 
@@ -24,6 +25,28 @@ DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
 # after its checks (engine_kwargs are applied last), e.g. TP=2 past "must be 1".
 OWN_ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                    "enable_expert_parallel", "max_model_len")
+
+
+@dataclass(frozen=True)
+class RequestLimits(_Section):
+    """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serving.api_guard`
+    before a request reaches an engine; a request over one gets a 400 naming the cap and its
+    limit. `generated tokens = prompts x n x max_tokens` (chat: max_completion_tokens, else
+    max_tokens; a completion without max_tokens counts vLLM's default 16; a chat request without
+    either is bounded by n and the context length only)."""
+
+    max_body_bytes: int = _field(8 * 2**20, "largest request body in bytes (413 above it)")
+    max_n: int = _field(8, "largest `n` (choices per prompt)")
+    max_generated_tokens: int = _field(65536, "largest prompts x n x max_tokens of one request")
+    max_prompts: int = _field(64, "largest number of prompts in one /v1/completions request")
+    max_stop_sequences: int = _field(4, "largest number of `stop` strings (OpenAI's limit)")
+    max_stop_chars: int = _field(256, "longest `stop` string, in characters")
+    max_logprobs: int = _field(20, "largest `logprobs` (completions), `top_logprobs` (chat) "
+                                   "and `prompt_logprobs` (vLLM's own default cap)")
+
+    def __post_init__(self):
+        for name in self.describe_fields():
+            _check_number(name, getattr(self, name), minimum=1, integer=True)
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,8 @@ class ServingConfig(_Section):
     metrics_port: int = _field(0, "port of each engine's /metrics; 0 picks a free one")
     prometheus_targets_file: str = _field(DEFAULT_TARGETS_FILE, "file_sd list of every "
                                           "engine's /metrics, kept current on the head node")
+    request_limits: RequestLimits = _field(RequestLimits(), "per-request caps of the OpenAI "
+                                           "endpoint (`RequestLimits`; 400 naming the cap)")
 
     def __post_init__(self):
         for name in ("model_id", "model_source", "metrics_bind_address",
