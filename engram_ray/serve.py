@@ -8,6 +8,7 @@
       per group       one Serve deployment = one gang of P engines,    engram_ray.serving.server
                       bundles label-selected to the group's domain
       ingress         OpenAI API, requests spread over the groups      engram_ray.serving.ingress
+                      request checks, caps, every error's shape         engram_ray.serving.api_guard
 
 Built from Ray Serve LLM's parts: `LLMConfig`, `build_llm_deployment` with the replica class
 swapped for an engram-ray engine, and its OpenAI ingress.
@@ -97,10 +98,10 @@ def build_engram_app(args: dict, server_cls=None):
     engines = [build_llm_deployment(config, deployment_cls=server_cls, override_serve_options={
         "name": f"{server_cls.__name__}:{dep.name}:{g.group_id}", **gang_options(dep, g)})
         for config, g in zip(configs, groups)]
-    return _ingress(configs[0], engines)
+    return _ingress(configs[0], {g.group_id: e for g, e in zip(groups, engines)}, dep.name)
 
 
-def _ingress(config, engines: list):
+def _ingress(config, engines: dict, deployment_name: str):
     """Ray Serve LLM's OpenAI ingress over the groups' deployments
     (`engram_ray.serving.ingress.PeerGroupIngress`)."""
     from ray import serve
@@ -108,11 +109,16 @@ def _ingress(config, engines: list):
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 
+    from engram_ray.serving.api_guard import guarded_ingress_app
     from engram_ray.serving.ingress import PeerGroupIngress
+    from engram_ray.serving.server import APP_CONFIG_KEY
 
     options = deep_merge_dicts(PeerGroupIngress.get_deployment_options([config]),
                                INGRESS_OPTIONS)
-    return serve.deployment(make_fastapi_ingress(PeerGroupIngress), **options).bind(
-        llm_deployments={config.model_id: engines[0]},
+    serving = ServeAppConfig.from_dict(config.experimental_configs[APP_CONFIG_KEY]).serving
+    ingress_app = guarded_ingress_app(serving.request_limits)  # checks, caps, error shape
+    ingress_cls = make_fastapi_ingress(PeerGroupIngress, app=ingress_app)
+    return serve.deployment(ingress_cls, **options).bind(
+        llm_deployments={config.model_id: next(iter(engines.values()))},
         model_cards={config.model_id: to_model_metadata(config.model_id, config)},
-        lora_paths={}, peer_groups={config.model_id: engines})
+        lora_paths={}, peer_groups={config.model_id: engines}, deployment_name=deployment_name)
