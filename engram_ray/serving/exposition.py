@@ -1,6 +1,15 @@
 """Exposition of engram-ray metrics: a `/metrics` HTTP endpoint per engine process, the
-Prometheus file_sd target list, and the hook that gives vLLM's model process (where lookups run)
-its own endpoint. Series are defined in `engram_ray.metrics`.
+Prometheus file_sd target list, the HTTP service-discovery endpoint (`TargetsServer`), and the
+hook that gives vLLM's model process (where lookups run) its own endpoint. Series are defined in
+`engram_ray.metrics`.
+
+Ports (`serving.metrics_port`): 0 gives every endpoint a free port, found through the file_sd
+list or the HTTP service discovery. A base port P > 0 gives the engine in slot s of its node
+(the coordinator hands out slots 0, 1, ... per node: one engine per GPU) two fixed, named
+ports, the same on every node, for a Kubernetes container port list and a PodMonitor:
+
+    P + 2s      engram-<s>        the Serve replica's endpoint (engram_* and vllm:* series)
+    P + 2s + 1  engram-<s>-model  vLLM's model process: the lookups (engram_lookup_*)
 """
 
 from __future__ import annotations
@@ -18,8 +27,21 @@ from engram_ray.metrics import EngineIdentity, EngineMetrics
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
 # vLLM `additional_config` key telling the model process where to report lookups.
 PROCESS_METRICS_KEY = "engram_metrics"
-METRICS_PORT_FIX = ("metrics_port 0 (each engine picks a free port and registers it as a "
-                    "Prometheus target), or a fixed port only with one engine per node")
+METRICS_PORT_FIX = ("another serving.metrics_port (base port P: the engine in slot s of a node "
+                    "binds P + 2s and P + 2s + 1), or 0 (free ports, found through file_sd or "
+                    "serving.http_sd_port)")
+ENDPOINTS = ("replica", "model")  # the two endpoints of one engine, in port order
+
+
+def metrics_port(base: int, slot: int, endpoint: str) -> int:
+    """Fixed port of `endpoint` ('replica' or 'model') of the engine in `slot` of its node;
+    0 (a free port) when `base` is 0."""
+    return base + 2 * slot + ENDPOINTS.index(endpoint) if base else 0
+
+
+def port_name(slot: int, endpoint: str) -> str:
+    """Kubernetes port name of that endpoint (at most 15 characters: slots up to 99)."""
+    return f"engram-{slot}" if endpoint == "replica" else f"engram-{slot}-model"
 
 
 class _ProcessRegistry:
@@ -45,11 +67,11 @@ class MetricsServer:
         except OSError as exc:
             if not port or exc.errno != errno.EADDRINUSE:
                 raise
-            # A fixed port is serving.metrics_port (the other endpoints use 0): a second
-            # engine on this node, where the config could not tell engines per node.
-            raise ConfigError("serving.metrics_port", f"is {port}, but {bind_address}:{port} "
-                              "is taken on this node (by an engine started here before, or "
-                              "another program)", METRICS_PORT_FIX) from exc
+            # A fixed port comes from serving.metrics_port (base + 2 * slot [+ 1]).
+            raise ConfigError("serving.metrics_port", f"gives this engine port {port}, but "
+                              f"{bind_address}:{port} is taken on this node (by an engine "
+                              "that has not stopped yet, or another program)",
+                              METRICS_PORT_FIX) from exc
         self.bind_address, self.advertise_host = bind_address, advertise_host
         self.port = self._server.server_port
 
@@ -68,20 +90,69 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def write_file_sd(path: str, targets: dict[str, dict]) -> None:
-    """Write a Prometheus file_sd list atomically.
+def target_groups(targets: dict[str, dict]) -> list[dict]:
+    """Prometheus target groups (the file_sd and http_sd format) of `targets`: key ->
+    {"target": "host:port", "labels": {...}}; one group per target so each keeps its labels."""
+    return [{"targets": [entry["target"]], "labels": dict(entry.get("labels", {}))}
+            for _, entry in sorted(targets.items())]
 
-    `targets`: key -> {"target": "host:port", "labels": {...}}; one group per target so each
-    keeps its own labels. Prometheus re-reads the file on change (inotify), no restart.
-    """
-    groups = [{"targets": [entry["target"]], "labels": dict(entry.get("labels", {}))}
-              for _, entry in sorted(targets.items())]
+
+def write_file_sd(path: str, targets: dict[str, dict]) -> None:
+    """Write a Prometheus file_sd list atomically (`target_groups`). Prometheus re-reads the
+    file on change (inotify), no restart."""
+    groups = target_groups(targets)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_sd.", suffix=".json")
     with os.fdopen(fd, "w") as out:
         json.dump(groups, out, indent=1)
     os.replace(tmp, path)
+
+
+class TargetsServer:
+    """Prometheus HTTP service discovery (`http_sd_configs`): GET `/targets` answers the
+    target groups `get_groups()` returns, as JSON; anything else is a 404. Port 0 picks a free
+    port. Runs in a daemon thread of its owner (the coordinator)."""
+
+    PATH = "/targets"
+
+    def __init__(self, get_groups, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path.split("?")[0] != TargetsServer.PATH:
+                    self.send_error(404, f"only {TargetsServer.PATH}")
+                    return
+                body = json.dumps(get_groups()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # Prometheus asks every refresh_interval
+                pass
+
+        try:
+            self._server = http.server.ThreadingHTTPServer((bind_address, port), Handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ConfigError("serving.http_sd_port", f"is {port}, but {bind_address}:{port} "
+                              "is taken on the head node", "another port, or 0 for none"
+                              ) from exc
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="engram-http-sd")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
 
 
 def start_process_metrics(additional_config) -> EngineMetrics | None:
@@ -91,7 +162,7 @@ def start_process_metrics(additional_config) -> EngineMetrics | None:
     `engram_metrics` entry (the engine was not started by the Serve app).
 
     `additional_config["engram_metrics"]`: model, engine, peer_group, rank, bind_address,
-    advertise_host, target_file. Feed lookups with `metered_lookup(metrics, tables, ...)`.
+    advertise_host, target_file, port (fixed, or 0/absent for a free one). Feed lookups with `metered_lookup(metrics, tables, ...)`.
     """
     raw = (additional_config or {}).get(PROCESS_METRICS_KEY)
     if not raw:
@@ -100,7 +171,7 @@ def start_process_metrics(additional_config) -> EngineMetrics | None:
                                            int(raw["rank"])))
     metrics.server = MetricsServer([metrics.registry], raw.get("bind_address",
                                                                DEFAULT_BIND_ADDRESS),
-                                   include_process_registry=False,
+                                   int(raw.get("port") or 0), include_process_registry=False,
                                    advertise_host=raw.get("advertise_host"))
     directory = os.path.dirname(os.path.abspath(raw["target_file"]))
     os.makedirs(directory, exist_ok=True)

@@ -35,7 +35,8 @@ from engram_ray.errors import EngramRayError
 from engram_ray.metrics import EngineIdentity, EngineMetrics
 from engram_ray.serving.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.serving.engine_shm import record_segments, release_recorded
-from engram_ray.serving.exposition import PROCESS_METRICS_KEY, MetricsServer
+from engram_ray.serving.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
+                                          port_name)
 from engram_ray.serving.kv_cache import engine_capacity, probe_engine_kwargs
 
 APP_CONFIG_KEY = "engram_app"
@@ -150,12 +151,16 @@ class EngramServerMixin:
                                   a["group_id"], a["member_rank"])
         self._model_target_file = os.path.join(
             tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
+        # Fixed ports (serving.metrics_port > 0): base + 2 * this engine's slot on its node.
+        self._metrics_slot = slot = await self._coordinator.metrics_slot.remote(
+            self._replica_id, ray.get_runtime_context().get_node_id())
         additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
         additional["engram_peer_group"] = peer_group_settings(a, getattr(self, "dp_rank", 0))
         additional[PROCESS_METRICS_KEY] = {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),
-            "target_file": self._model_target_file}
+            "target_file": self._model_target_file,
+            "port": metrics_port(app.serving.metrics_port, slot, "model")}
         # Not engine_kwargs[...] = ...: LLMConfig caches its engine config (a copy of
         # engine_kwargs) before start(); update_engine_kwargs updates both. The KV-cache probe
         # lets the replica read the workers' exact KV-cache bytes (engram_ray.serving.kv_cache).
@@ -168,10 +173,11 @@ class EngramServerMixin:
         self.engram_metrics.set_group(a["generation_index"], False)
         self._metrics_server = MetricsServer([self.engram_metrics.registry],
                                              app.serving.metrics_bind_address,
-                                             app.serving.metrics_port,
+                                             metrics_port(app.serving.metrics_port, slot,
+                                                          "replica"),
                                              advertise_host=ray.util.get_node_ip_address())
-        await self._coordinator.register_target.remote(self._replica_id,
-                                                    self._metrics_server.target)
+        await self._coordinator.register_target.remote(
+            self._replica_id, self._metrics_server.target, self._target_labels("replica"))
         self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
             app.deployment.peer_group_store, app.deployment.name))
         await super().start()
@@ -219,7 +225,19 @@ class EngramServerMixin:
             with open(self._model_target_file) as f:
                 target = json.load(f)["target"]
             os.unlink(self._model_target_file)
-            await self._coordinator.register_target.remote(f"{self._replica_id}/model", target)
+            await self._coordinator.register_target.remote(
+                f"{self._replica_id}/model", target, self._target_labels("model"))
+
+    def _target_labels(self, endpoint: str) -> dict:
+        """Labels of one of this engine's Prometheus targets: `endpoint` (its port name with
+        fixed ports, else 'replica' or 'model') and, for relabeling only, the engine's identity
+        as `__meta_engram_*` (its series carry model, engine, peer_group and rank already;
+        target labels of those names would turn them into exported_*)."""
+        a, slot = self._assignment, self._metrics_slot
+        return {"endpoint": port_name(slot, endpoint) if self._app.serving.metrics_port
+                else endpoint, "__meta_engram_slot": str(slot),
+                "__meta_engram_peer_group": a["group_id"],
+                "__meta_engram_rank": str(a["member_rank"])}
 
     async def _attach_stat_logger(self) -> None:
         """KV-cache capacity (`self.kv_cache_capacity`, its source in the replica's log) and

@@ -303,10 +303,18 @@ def test_handles_match_the_hardware(manifest):
             assert "SYS_PTRACE" in container["securityContext"]["capabilities"]["add"]
 
 
+def monitors(docs) -> tuple[dict, dict]:
+    """(the PodMonitor of Ray's export on every pod, the one of the engines' endpoints)."""
+    by_name = {m["metadata"]["name"]: m for m in docs["PodMonitor"]}
+    name = rayservice(docs)["metadata"]["name"]
+    assert set(by_name) == {name, f"{name}-engines"}
+    return by_name[name], by_name[f"{name}-engines"]
+
+
 def test_podmonitor_scrapes_every_ray_pod(manifest):
     _, docs = manifest
     service = rayservice(docs)
-    [monitor] = docs["PodMonitor"]
+    monitor, _ = monitors(docs)
     selector = monitor["spec"]["selector"]["matchLabels"]
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
     for group, kind in groups(service):
@@ -315,3 +323,34 @@ def test_podmonitor_scrapes_every_ray_pod(manifest):
         named = {p["name"]: p["containerPort"] for p in ray_container(group)["ports"]}
         assert ports <= set(named), kind
         assert named["metrics"] == int(group["rayStartParams"]["metrics-export-port"])
+
+
+def test_engine_metrics_ports_are_fixed_named_and_scraped(manifest):
+    """Every engine slot of an engine pod (one engine per GPU) has its two container ports,
+    named and numbered as the engines bind them (serving.metrics_port), and the engines'
+    PodMonitor scrapes exactly those on exactly the engine pods; the head serves http_sd."""
+    from engram_ray.serving.exposition import ENDPOINTS, metrics_port, port_name
+
+    _, docs = manifest
+    service = rayservice(docs)
+    srv = app_config(service).serving
+    assert srv.metrics_port > 0 and srv.http_sd_port > 0
+    assert srv.metrics_bind_address == "0.0.0.0"  # reachable from Prometheus' pod
+    _, engines = monitors(docs)
+    scraped = [e["port"] for e in engines["spec"]["podMetricsEndpoints"]]
+    assert all(e["path"] == "/metrics" for e in engines["spec"]["podMetricsEndpoints"])
+    selector = engines["spec"]["selector"]["matchLabels"]
+    for group, kind in groups(service):
+        container = ray_container(group)
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert len(named) == len(container["ports"]) == len(set(named.values())), kind
+        labels = group["template"]["metadata"]["labels"]
+        if kind == "head":
+            assert named["engram-sd"] == srv.http_sd_port
+            assert not selector.items() <= labels.items()  # no engines on the head
+            continue
+        assert selector.items() <= labels.items()
+        expected = {port_name(s, e): metrics_port(srv.metrics_port, s, e)
+                    for s in range(gpus(container)) for e in ENDPOINTS}
+        assert {n: p for n, p in named.items() if n.startswith("engram-")} == expected
+        assert sorted(scraped) == sorted(expected)

@@ -1,0 +1,205 @@
+"""Metrics discovery for Kubernetes and Prometheus Operator: fixed, named ports per engine slot
+(`serving.metrics_port` base + 2 * slot), the coordinator's slots per node, and the HTTP
+service-discovery endpoint (`serving.http_sd_port`) found by a real Prometheus (127.0.0.1)."""
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engram_ray.errors import ConfigError
+from engram_ray.serving.cluster_configs import load_serve_config
+from engram_ray.serving.exposition import (MetricsServer, TargetsServer, metrics_port,
+                                           port_name, target_groups)
+from engram_ray.serving.prometheus import Prometheus, free_port
+
+CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+# Kubernetes' IANA_SVC_NAME: 1-15 lowercase letters, digits and single inner hyphens.
+PORT_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+def test_fixed_ports_are_base_plus_two_per_slot_and_named():
+    assert [metrics_port(9500, s, e) for s in (0, 1, 7) for e in ("replica", "model")] == [
+        9500, 9501, 9502, 9503, 9514, 9515]
+    assert metrics_port(0, 3, "replica") == metrics_port(0, 3, "model") == 0  # free ports
+    assert port_name(0, "replica") == "engram-0" and port_name(7, "model") == "engram-7-model"
+    for slot in (0, 9, 99):
+        for endpoint in ("replica", "model"):
+            assert PORT_NAME.match(port_name(slot, endpoint)), port_name(slot, endpoint)
+
+
+def test_taken_fixed_port_is_refused_naming_it():
+    first = MetricsServer([], "127.0.0.1", 0)
+    try:
+        with pytest.raises(ConfigError) as info:
+            MetricsServer([], "127.0.0.1", first.port)
+        message = str(info.value)
+        assert message.startswith(f"serving.metrics_port: gives this engine port {first.port}, "
+                                  f"but 127.0.0.1:{first.port} is taken on this node")
+        assert "P + 2s" in message
+        with pytest.raises(ConfigError, match=f"http_sd_port: is {first.port}, but"):
+            TargetsServer(list, "127.0.0.1", first.port)
+    finally:
+        first.stop()
+
+
+def test_ports_are_checked_in_the_config():
+    from engram_ray.serving.config import ServingConfig
+
+    for name in ("metrics_port", "http_sd_port"):
+        for bad in (-1, 70000, 1.5):
+            with pytest.raises(ConfigError, match=name):
+                ServingConfig(**{name: bad})
+    # Slots make a fixed base port fine for CPU engines sharing a node, too (refused before).
+    import copy
+
+    from engram_ray.serving.cluster_configs import check_serve_config, read_yaml
+
+    data = copy.deepcopy(read_yaml(CONFIGS / "serve_local_tiny.yaml"))
+    data["applications"][0]["args"]["serving"]["metrics_port"] = 9500
+    (app,) = check_serve_config(data, "local.yaml").values()
+    assert app.deployment.peer_group_size == 2 and app.serving.metrics_port == 9500
+
+
+def test_targets_server_answers_only_its_path():
+    groups = [{"targets": ["127.0.0.1:1"], "labels": {"endpoint": "engram-0"}}]
+    server = TargetsServer(lambda: groups, "127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/targets", timeout=5) as r:
+            assert r.headers["Content-Type"] == "application/json"
+            assert json.load(r) == groups
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
+        assert info.value.code == 404
+    finally:
+        server.stop()
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_prometheus_finds_engines_through_http_sd(tmp_path):
+    """A real Prometheus with only an `http_sd_configs` job scrapes two engine endpoints on
+    fixed ports with the endpoint label, then drops the one that leaves."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    base = free_port()
+    registries = []
+    for slot in range(2):
+        registry = CollectorRegistry()
+        Gauge("engram_test_slot", "slot of this endpoint", registry=registry).set(slot)
+        registries.append(registry)
+    servers, targets, sd = [], {}, None
+    prom = None
+    try:
+        for slot, registry in enumerate(registries):
+            try:
+                servers.append(MetricsServer([registry], "127.0.0.1",
+                                             metrics_port(base, slot, "replica"),
+                                             include_process_registry=False))
+            except ConfigError:
+                pytest.skip("a port next to a free one was taken")
+            targets[f"r{slot}"] = {"target": servers[-1].target, "labels": {
+                "endpoint": port_name(slot, "replica"), "__meta_engram_slot": str(slot)}}
+        assert [s.port for s in servers] == [base, base + 2]
+        sd = TargetsServer(lambda: target_groups(targets), "127.0.0.1", 0)
+        prom = Prometheus({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{
+                "job_name": "engram",
+                "http_sd_configs": [{"url": f"http://127.0.0.1:{sd.port}/targets",
+                                     "refresh_interval": "1s"}],
+                # __meta_* labels are there for relabeling only
+                "relabel_configs": [{"source_labels": ["__meta_engram_slot"],
+                                     "target_label": "slot"}]}]}, workdir=str(tmp_path))
+
+        def up():
+            found = [t for t in prom.active_targets() if t["health"] == "up"]
+            return found if len(found) == 2 else None
+
+        found = _wait(up, 30, f"two targets up; log: {prom.log_tail()}")
+        assert sorted(t["labels"]["endpoint"] for t in found) == ["engram-0", "engram-1"]
+        assert sorted(t["scrapeUrl"] for t in found) == [
+            f"http://127.0.0.1:{base}/metrics", f"http://127.0.0.1:{base + 2}/metrics"]
+        result = _wait(lambda: prom.query("engram_test_slot") or None, 30, "series")
+        by_slot = {r["metric"]["slot"]: float(r["value"][1]) for r in result}
+        assert by_slot == {"0": 0.0, "1": 1.0}
+        assert all("exported_endpoint" not in r["metric"] for r in result)
+
+        del targets["r1"]
+        _wait(lambda: len(prom.active_targets()) == 1, 30, "r1 dropped")
+    finally:
+        if prom is not None:
+            prom.stop()
+        if sd is not None:
+            sd.stop()
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_coordinator_slots_per_node_and_its_http_sd(ray_local, tmp_path):
+    """Slots are the lowest free per node, kept on a second ask, freed on leave and when a
+    gang ends; the coordinator serves its targets as http_sd (and file_sd) lists."""
+    ray = ray_local
+    from engram_ray.actors.coordinator import get_coordinator
+
+    raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="slots",
+                             model="deepseek-v4.1-flash")
+    sd_port = free_port()
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"),
+                          metrics_bind_address="127.0.0.1", http_sd_port=sd_port)
+    coordinator = get_coordinator(raw, {"group-0": "node-a"}, "slots")
+    try:
+        for r in (0, 1):
+            ray.get(coordinator.join.remote("group-0", "gang1", r, 2, f"m{r}"))
+        slot = coordinator.metrics_slot.remote
+        assert ray.get([slot("m0", "node-x"), slot("m1", "node-x"), slot("m0", "node-x"),
+                        slot("m1", "node-y")]) == [0, 1, 0, 0]
+        ray.get(coordinator.register_target.remote("m0", "127.0.0.1:9500",
+                                                   {"endpoint": "engram-0"}))
+        ray.get(coordinator.register_target.remote("m0/model", "127.0.0.1:9501",
+                                                   {"endpoint": "engram-0-model"}))
+        expected = [{"targets": ["127.0.0.1:9500"], "labels": {"endpoint": "engram-0"}},
+                    {"targets": ["127.0.0.1:9501"], "labels": {"endpoint": "engram-0-model"}}]
+        with urllib.request.urlopen(f"http://127.0.0.1:{sd_port}/targets", timeout=5) as resp:
+            assert json.load(resp) == expected
+        assert json.loads((tmp_path / "targets.json").read_text()) == expected
+        ray.get(coordinator.leave.remote("m0"))
+        assert ray.get(slot("m2", "node-x")) == 0  # m0's slot is free again
+        ray.get(coordinator.join.remote("group-0", "gang2", 0, 2, "n0"))  # gang1 ended
+        assert ray.get(slot("n0", "node-x")) == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{sd_port}/targets", timeout=5) as resp:
+            assert json.load(resp) == []
+    finally:
+        ray.kill(coordinator)
+
+
+def test_free_port_zero_never_collides():
+    servers = [MetricsServer([], "127.0.0.1", 0) for _ in range(2)]
+    try:
+        assert servers[0].port != servers[1].port
+    finally:
+        for server in servers:
+            server.stop()
