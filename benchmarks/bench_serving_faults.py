@@ -108,9 +108,12 @@ def write(result: dict) -> Path:
               "traffic off: from the kill to the start of the last request that still went to "
               "the broken generation or failed other than by the ingress's fail-fast 503. "
               "Recovery parts (coordinator clock): detection = kill to the generation marked "
-              "broken; teardown = to the new gang's first member joining; engine start = to "
-              "every member ready (vLLM start, table load, rendezvous); first answer = to the "
-              "first request the new generation answered.", "",
+              "broken (the ingress stops routing there at once); teardown = to the new gang's "
+              "first member joining the coordinator (Serve's health checks or its actor-death "
+              "notice, stopping the old gang, a fresh replica process importing Ray Serve LLM "
+              "and vLLM); engine start = to every member ready (vLLM engine start, table load, "
+              "rendezvous); first answer = to the first request the new generation answered. "
+              "While a group recovers the other one serves all traffic.", "",
               "Errors seen by clients (first of each kind):", ""]
     for k in result["kills"]:
         lines += [f"- {k['kind']}: " + "; ".join(k["errors"]) if k["errors"] else
