@@ -54,16 +54,22 @@ def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
         "health_check_timeout_s": dep.health_check_interval_s * dep.max_missed_pings,
         "max_ongoing_requests": 256,
         "ray_actor_options": {"num_cpus": 0},  # its CPUs are in the bundle
+        **srv.deployment_options,  # passthrough; the keys groups own are refused in the config
     }
+    # log_engine_metrics False by default: vLLM's own vllm:* series go to the engine's
+    # /metrics. True (serving.llm_config): Ray's stat logger replaces vLLM's prometheus one,
+    # so they go to Ray's metrics export as ray_vllm_* instead (never both: vLLM adds its own
+    # only when no given logger is a PrometheusStatLogger).
+    options = {"log_engine_metrics": False, **srv.llm_config}
     return LLMConfig(
         model_loading_config={"model_id": srv.model_id, "model_source": srv.model_source},
         engine_kwargs=engine_kwargs(app),
         deployment_config=deployment_config,
         placement_group_config={"bundles": [dict(dep.bundle)]},
-        log_engine_metrics=False,  # vLLM's own vllm:* series go to the engine's /metrics
         experimental_configs={APP_CONFIG_KEY: app.to_dict(),
                               GROUP_KEY: {"group_id": group.group_id,
                                           "domain_id": group.domain.domain_id}},
+        **options,
     )
 
 
@@ -84,12 +90,16 @@ def build_app(args: dict):
 def build_engram_app(args: dict, server_cls=None):
     """`build_app` with the engine class replaced by `server_cls` (tests: a server that only
     records where it runs; Serve's builders take exactly one argument)."""
-    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+    from ray.serve.llm import build_llm_deployment
 
     from engram_ray.actors.coordinator import get_coordinator
     from engram_ray.actors.placement import gang_options, plan_groups
 
+    from engram_ray.serving.config import check_engine_kwargs, check_llm_options
+
     app = ServeAppConfig.from_dict(args, "build_app args")
+    check_engine_kwargs(engine_kwargs(app))  # a typo fails here, not in every engine
+    check_llm_options(app.serving)
     dep = app.deployment
     server_cls = server_cls or server_class(app)
     groups = plan_groups(dep, app.serving.num_peer_groups)

@@ -37,6 +37,8 @@ def check_serve_config(data: dict, source: str) -> dict[str, ServeAppConfig]:
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
+    from engram_ray.serving.config import check_engine_kwargs, check_llm_options
+
     try:
         schema = ServeDeploySchema.model_validate(data)
     except ValidationError as exc:
@@ -47,8 +49,10 @@ def check_serve_config(data: dict, source: str) -> dict[str, ServeAppConfig]:
     apps = {}
     for idx, app in enumerate(schema.applications):
         if app.import_path == APP_IMPORT_PATH:
-            apps[app.name] = ServeAppConfig.from_dict(app.args, f"{source}: applications[{idx}]"
-                                                             f".args")
+            apps[app.name] = config = ServeAppConfig.from_dict(
+                app.args, f"{source}: applications[{idx}].args")
+            check_engine_kwargs(config.serving.engine_kwargs)  # as build_app does
+            check_llm_options(config.serving)
     if not apps:
         raise ConfigError(f"{source}: applications", f"has no {APP_IMPORT_PATH} application",
                           f"one application with import_path {APP_IMPORT_PATH}")

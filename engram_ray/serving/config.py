@@ -27,6 +27,73 @@ OWN_ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_paral
                    "enable_expert_parallel", "max_model_len")
 
 
+# LLMConfig options engram_ray.serve sets itself: where to write each instead.
+APP_LLM_CONFIG = {
+    "model_loading_config": "serving.model_id and serving.model_source",
+    "engine_kwargs": "serving.engine_kwargs",
+    "deployment_config": "serving.deployment_options (and deployment.health_check_*)",
+    "placement_group_config": "deployment.num_gpus_per_engine / num_cpus_per_engine",
+    "experimental_configs": "nothing: it carries the app's own settings to the engines",
+    "server_cls": "nothing: the engram-ray engine class is the replica",
+    "llm_engine": "nothing: the engines are vLLM's"}
+# Serve deployment options each peer group's gang owns (engram_ray.serve, actors/placement.py).
+GROUP_DEPLOYMENT_OPTIONS = {
+    **{key: "serving.num_peer_groups and deployment.peer_group_size (one gang per group)"
+       for key in ("num_replicas", "autoscaling_config", "gang_scheduling_config")},
+    **{key: "nothing: each group's bundles are placed in its NVLink domain"
+       for key in ("placement_group_bundles", "placement_group_strategy",
+                   "placement_group_bundle_label_selector", "ray_actor_options",
+                   "max_replicas_per_node")},
+    "health_check_period_s": "deployment.health_check_interval_s",
+    "health_check_timeout_s": "deployment.max_missed_pings",
+    "name": "deployment.name"}
+
+
+def _nearest(name: str, valid) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
+    return f"`{close[0]}`" if close else "a vLLM engine argument"
+
+
+def check_engine_kwargs(kwargs: dict) -> None:
+    """Every key of `kwargs` is a vLLM engine argument (`AsyncEngineArgs`) or an OpenAI
+    frontend argument (`FrontendArgs`), the two sets Ray Serve LLM splits engine_kwargs into;
+    else a ConfigError naming the key and the nearest valid name. Skipped with a warning where
+    vLLM cannot be imported (there, each engine would fail on it at start)."""
+    import dataclasses
+    import logging
+
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    except Exception as exc:  # noqa: BLE001 (no vLLM, or one of another layout)
+        logging.getLogger(__name__).warning(
+            "serving.engine_kwargs not checked: vLLM's argument names cannot be imported "
+            "(%s: %s)", type(exc).__name__, exc)
+        return
+    valid = {f.name for cls in (AsyncEngineArgs, FrontendArgs)
+             for f in dataclasses.fields(cls)}
+    for key in kwargs:
+        if key not in valid:
+            raise ConfigError(f"serving.engine_kwargs.{key}", "is not a vLLM engine argument",
+                              _nearest(key, valid))
+
+
+def check_llm_options(srv: "ServingConfig") -> None:
+    """`serving.llm_config` keys are `LLMConfig` fields and `serving.deployment_options` keys
+    Serve deployment options (Ray imported here, at build time)."""
+    from ray.serve.llm import LLMConfig
+    from ray.serve.schema import DeploymentSchema
+
+    for section, valid in (("llm_config", set(LLMConfig.model_fields)),
+                           ("deployment_options", set(DeploymentSchema.model_fields))):
+        for key in getattr(srv, section):
+            if key not in valid:
+                raise ConfigError(f"serving.{section}.{key}", "is not an option there",
+                                  _nearest(key, valid))
+
+
 @dataclass(frozen=True)
 class RequestLimits(_Section):
     """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serving.api_guard`
@@ -83,6 +150,13 @@ class ServingConfig(_Section):
                                           "engine's /metrics, kept current on the head node")
     request_limits: RequestLimits = _field(RequestLimits(), "per-request caps of the OpenAI "
                                            "endpoint (`RequestLimits`; 400 naming the cap)")
+    llm_config: dict = field(default_factory=dict, metadata={
+        "doc": "further options of Ray Serve LLM's `LLMConfig` (e.g. `log_engine_metrics`, "
+               "`runtime_env`, `accelerator_type`); the ones the app sets are refused by name"})
+    deployment_options: dict = field(default_factory=dict, metadata={
+        "doc": "further Serve deployment options of each group's deployment (e.g. "
+               "`graceful_shutdown_timeout_s`, `max_ongoing_requests`); the ones peer groups "
+               "own (replicas, autoscaling, placement, gang, health checks) are refused by name"})
 
     def __post_init__(self):
         for name in ("model_id", "model_source", "metrics_bind_address",
@@ -109,6 +183,18 @@ class ServingConfig(_Section):
                               f"serving.{owned[0]} (checked there; engine_kwargs would "
                               "override it unchecked)")
         _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
+        for name in ("llm_config", "deployment_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(name, f"is {type(getattr(self, name)).__name__}",
+                                  "a mapping of options")
+        owned = [key for key in APP_LLM_CONFIG if key in self.llm_config]
+        if owned:
+            raise ConfigError(f"llm_config.{owned[0]}", "is set by the app",
+                              APP_LLM_CONFIG[owned[0]])
+        owned = [key for key in GROUP_DEPLOYMENT_OPTIONS if key in self.deployment_options]
+        if owned:
+            raise ConfigError(f"deployment_options.{owned[0]}", "is owned by the peer groups",
+                              GROUP_DEPLOYMENT_OPTIONS[owned[0]])
         for name in ("metrics_port", "http_sd_port"):
             _check_number(name, getattr(self, name), minimum=0, integer=True)
             if getattr(self, name) > 65535:
@@ -121,6 +207,18 @@ class ServeAppConfig(_Section):
 
     deployment: DeploymentConfig = _field(DeploymentConfig(), "tables and peer groups")
     serving: ServingConfig = _field(ServingConfig(), "engines and endpoint")
+
+    @classmethod
+    def from_dict(cls, data, source: str = "config"):
+        """As `_Section.from_dict`, with what is written once filled in where left out: the
+        tables come from the checkpoint the engines load (`deployment.fill: checkpoint`,
+        `deployment.checkpoint` = `serving.model_source`; synthetic with vLLM's dummy
+        weights); `deployment.model` (the layout) is `serving.model_source` when that is a
+        local folder; the CPUs of an engine are `deployment.num_cpus_per_engine` (or
+        `serving.num_cpus_per_replica`, either one). `{}` serves DeepSeek-V4.1-Flash."""
+        if isinstance(data, dict):
+            data = _with_defaults(data)
+        return super().from_dict(data, source)
 
     def __post_init__(self):
         dep, srv = self.deployment, self.serving
@@ -168,3 +266,33 @@ class ServeAppConfig(_Section):
     def replicas_per_group(self) -> int:
         """Data-parallel gangs in one peer group (DEP2 over 8 GPUs: 4)."""
         return self.deployment.peer_group_size // self.serving.data_parallel_size
+
+
+def _with_defaults(data: dict) -> dict:
+    """`ServeAppConfig.from_dict`'s filled-in settings (the input is not changed)."""
+    import os
+
+    dep, srv = data.get("deployment"), data.get("serving")
+    if dep is None:
+        dep = {}
+    if srv is None:
+        srv = {}
+    if not isinstance(dep, dict) or not isinstance(srv, dict):
+        return data  # refused by name in from_dict
+    dep, srv = dict(dep), dict(srv)
+    kwargs = srv.get("engine_kwargs")
+    dummy = isinstance(kwargs, dict) and kwargs.get("load_format") == "dummy"
+    if "model_source" not in srv and isinstance(dep.get("checkpoint"), str):
+        srv["model_source"] = dep["checkpoint"]
+    source = srv.get("model_source", ServingConfig.model_source)
+    if "fill" not in dep:
+        dep["fill"] = "synthetic" if dummy else "checkpoint"
+    if dep["fill"] == "checkpoint" and "checkpoint" not in dep:
+        dep["checkpoint"] = source
+    if "model" not in dep and isinstance(source, str) and os.path.isdir(source):
+        dep["model"] = source
+    if "num_cpus_per_replica" not in srv and "num_cpus_per_engine" in dep:
+        srv["num_cpus_per_replica"] = dep["num_cpus_per_engine"]
+    if "num_cpus_per_engine" not in dep and "num_cpus_per_replica" in srv:
+        dep["num_cpus_per_engine"] = srv["num_cpus_per_replica"]
+    return {**data, "deployment": dep, "serving": srv}

@@ -28,8 +28,7 @@ import os
 import tempfile
 import time
 
-from ray.llm._internal.serve.core.server.llm_server import LLMServer
-from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import DPServer
+from ray.serve.llm.deployment import DPServer, LLMServer  # Ray 2.60's public names
 
 from engram_ray.errors import EngramRayError
 from engram_ray.metrics import EngineIdentity, EngineMetrics
