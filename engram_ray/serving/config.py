@@ -214,7 +214,7 @@ class ServeAppConfig(_Section):
         tables come from the checkpoint the engines load (`deployment.fill: checkpoint`,
         `deployment.checkpoint` = `serving.model_source`; synthetic with vLLM's dummy
         weights); `deployment.model` (the layout) is `serving.model_source` when that is a
-        local folder; the CPUs of an engine are `deployment.num_cpus_per_engine` (or
+        local path; the CPUs of an engine are `deployment.num_cpus_per_engine` (or
         `serving.num_cpus_per_replica`, either one). `{}` serves DeepSeek-V4.1-Flash."""
         if isinstance(data, dict):
             data = _with_defaults(data)
@@ -289,7 +289,8 @@ def _with_defaults(data: dict) -> dict:
         dep["fill"] = "synthetic" if dummy else "checkpoint"
     if dep["fill"] == "checkpoint" and "checkpoint" not in dep:
         dep["checkpoint"] = source
-    if "model" not in dep and isinstance(source, str) and os.path.isdir(source):
+    if "model" not in dep and isinstance(source, str) and (
+            source.startswith(("/", "./", "../", "~")) or os.path.isdir(source)):
         dep["model"] = source
     if "num_cpus_per_replica" not in srv and "num_cpus_per_engine" in dep:
         srv["num_cpus_per_replica"] = dep["num_cpus_per_engine"]

@@ -53,13 +53,20 @@ def test_checkpoint_and_cpus_are_written_once(tmp_path):
                                   "serving": {"model_source": "/b"}})
 
 
-def test_the_projects_yamls_still_load_the_same():
+def test_the_projects_yamls_write_the_checkpoint_and_cpus_once():
     for name in ("serve_deepseek_v41_flash.yaml", "serve_local_tiny.yaml"):
         data = read_yaml(CONFIGS / name)
         (app,) = check_serve_config(data, name).values()
         args = data["applications"][0]["args"]
         assert app.to_dict() == ServeAppConfig.from_dict(app.to_dict()).to_dict()
-        assert app.deployment.checkpoint == args["deployment"].get("checkpoint")
+        assert "checkpoint" not in args["deployment"] and "fill" not in args["deployment"]
+        assert "num_cpus_per_replica" not in args["serving"]
+        assert app.deployment.fill == "checkpoint"
+        assert app.deployment.checkpoint == app.serving.model_source
+        assert app.serving.num_cpus_per_replica == app.deployment.num_cpus_per_engine
+    local = args  # the tiny model: its folder gives the layout, too
+    assert "model" not in local["deployment"]
+    assert app.deployment.model == app.serving.model_source == "/tmp/engram-ray/tiny-model"
 
 
 @pytest.mark.parametrize("typo,nearest", [
