@@ -203,3 +203,22 @@ def test_free_port_zero_never_collides():
     finally:
         for server in servers:
             server.stop()
+
+
+def test_model_process_endpoint_binds_its_fixed_port(tmp_path):
+    """What the replica hands vLLM's model process (`additional_config.engram_metrics`): its
+    endpoint binds the given port and writes that target for the replica to register."""
+    from engram_ray.serving.exposition import start_process_metrics
+
+    port = free_port()
+    target_file = tmp_path / "model-target.json"
+    metrics = start_process_metrics({"engram_metrics": {
+        "model": "m", "engine": "g-r0", "peer_group": "g", "rank": 0,
+        "bind_address": "127.0.0.1", "target_file": str(target_file), "port": port}})
+    try:
+        assert metrics.server.port == port
+        assert json.loads(target_file.read_text())["target"] == f"127.0.0.1:{port}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            assert b"engram_" in resp.read()
+    finally:
+        metrics.server.stop()
