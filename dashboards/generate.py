@@ -1,9 +1,11 @@
-"""Grafana dashboards of engram-ray, generated: `python3 dashboards/generate.py` writes
-`dashboards/engram_memory.json` and `dashboards/engram_step_time.json`; `--check` exits 1 if a
-committed file differs from what this code generates (tests/cpu/test_dashboards.py runs it).
+"""Grafana dashboards and Prometheus alert rules of engram-ray, generated: `python3
+dashboards/generate.py` writes `dashboards/engram_memory.json`, `dashboards/engram_step_time.json`
+and `dashboards/engram_alerts.yml`; `--check` exits 1 if a committed file differs from what this
+code generates (tests/cpu/test_dashboards.py runs it).
 
-Queries filter on the template variables `$model`, `$engine`, `$peer_group` and use
-`$__rate_interval`; vLLM's own series are matched under every name they can carry: `vllm:*`
+Queries filter on the template variables `$cluster`, `$job` (Prometheus' own target labels: `job`
+from the scrape job, `cluster` from an external label or relabelling; a series without `cluster`
+still matches `.*`), `$model`, `$engine`, `$peer_group` and use `$__rate_interval`; vLLM's own series are matched under every name they can carry: `vllm:*`
 or `vllm_*` (an engine's `/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
 """
 
@@ -14,8 +16,13 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
-SEL = 'model=~"$model", engine=~"$engine", peer_group=~"$peer_group"'
+SEL = ('cluster=~"$cluster", job=~"$job", model=~"$model", engine=~"$engine", '
+       'peer_group=~"$peer_group"')
+# Variables a panel query filters on, in the order Grafana shows them.
+TEMPLATE_LABELS = ("cluster", "job", "model", "engine", "peer_group")
 RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -23,7 +30,8 @@ QUANTILES = (0.5, 0.95, 0.99)
 def vllm_series(name: str) -> str:
     """Selector matching vLLM metric `name` as exported directly (`vllm:name`; scraped as
     OpenMetrics, prometheus-client escapes it to `vllm_name`) and through Ray (`ray_vllm_name`)."""
-    return f'{{__name__=~"(ray_)?vllm[:_]{name}", model_name=~"$model"}}'
+    return (f'{{__name__=~"(ray_)?vllm[:_]{name}", cluster=~"$cluster", job=~"$job", '
+            f'model_name=~"$model"}}')
 
 
 def quantile_targets(bucket_selector: str, by: str = "engine") -> list[dict]:
@@ -49,7 +57,7 @@ def panel(title: str, unit: str, targets: list[dict], description: str = "") -> 
 def variables() -> list[dict]:
     out = [{"name": "datasource", "type": "datasource", "query": "prometheus",
             "label": "Prometheus"}]
-    for name in ("model", "engine", "peer_group"):
+    for name in TEMPLATE_LABELS:
         out.append({"name": name, "type": "query", "label": name, "includeAll": True,
                     "multi": True, "allValue": ".*", "current": {"text": "All",
                                                                   "value": "$__all"},
@@ -128,6 +136,70 @@ def step_time_dashboard() -> dict:
     ])
 
 
+# Alert thresholds (engram_alerts.yml). A group restart bumps engram_group_generation once.
+UNHEALTHY_FOR = "2m"
+ENGINE_DOWN_FOR = "2m"
+CHURN_RESTARTS_PER_HOUR = 3
+HEADROOM_LOW_RATIO = 0.1
+HEADROOM_LOW_FOR = "10m"
+ALERTS_FILE = "engram_alerts.yml"
+GROUP_BY = "cluster, job, model, peer_group"
+
+
+def alert(name: str, expr: str, duration: str, severity: str, summary: str,
+          description: str) -> dict:
+    return {"alert": name, "expr": expr, "for": duration,
+            "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description}}
+
+
+def build_rules() -> dict:
+    """Prometheus rule file (alerting rules) over the series the engines export
+    (engram_ray.metrics): unhealthy / not-serving peer groups, generation churn, KV headroom."""
+    return {"groups": [{"name": "engram-ray", "rules": [
+        alert("EngramPeerGroupUnhealthy",
+              f"min by ({GROUP_BY}) (engram_group_healthy) == 0", UNHEALTHY_FOR, "critical",
+              "Peer group {{ $labels.peer_group }} is not serving",
+              "A member of peer group {{ $labels.peer_group }} (model {{ $labels.model }}) "
+              "reports its group incomplete or not serving (engram_group_healthy 0) for "
+              f"{UNHEALTHY_FOR}: the ingress routes around it; its capacity is lost."),
+        alert("EngramEngineDown",
+              'up{job="engram"} == 0', ENGINE_DOWN_FOR, "critical",
+              "Engine metrics endpoint {{ $labels.instance }} is down",
+              "Prometheus cannot scrape engine {{ $labels.instance }} for "
+              f"{ENGINE_DOWN_FOR}: the engine (or its node) is gone, so its peer group "
+              "cannot serve."),
+        alert("EngramGenerationChurn",
+              f"max by ({GROUP_BY}) (changes(engram_group_generation[1h])) "
+              f"> {CHURN_RESTARTS_PER_HOUR}", "0m", "warning",
+              "Peer group {{ $labels.peer_group }} restarted {{ $value }} times in an hour",
+              "engram_group_generation of peer group {{ $labels.peer_group }} changed more "
+              f"than {CHURN_RESTARTS_PER_HOUR} times in the last hour: the group keeps "
+              "restarting (a member crashes, or the rendezvous fails); check the engine logs."),
+        alert("EngramKVCacheHeadroomLow",
+              "min by (cluster, job, model, peer_group, engine) (engram_kv_cache_headroom_bytes"
+              " / (engram_kv_cache_capacity_bytes > 0)) "
+              f"< {HEADROOM_LOW_RATIO}", HEADROOM_LOW_FOR, "warning",
+              "KV-cache headroom of engine {{ $labels.engine }} is low",
+              f"Engine {{{{ $labels.engine }}}} has had less than {HEADROOM_LOW_RATIO:.0%} of "
+              f"its KV cache free for {HEADROOM_LOW_FOR}: requests queue or get preempted; "
+              "add engines or lower max_num_seqs / max_model_len."),
+    ]}]}
+
+
+def render_rules(rules: dict) -> str:
+    header = ("# Generated by dashboards/generate.py (do not edit): engram-ray alerting rules.\n"
+              "# Check: promtool check rules engram_alerts.yml\n")
+    return header + yaml.safe_dump(rules, sort_keys=False, width=100)
+
+
+def build_files() -> dict[str, str]:
+    """File name -> text of every generated file."""
+    files = {name: render(model) for name, model in build_dashboards().items()}
+    files[ALERTS_FILE] = render_rules(build_rules())
+    return files
+
+
 def build_dashboards() -> dict[str, dict]:
     """File name -> dashboard JSON model."""
     return {"engram_memory.json": memory_dashboard(),
@@ -144,9 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args(argv)
     stale = []
-    for name, model in build_dashboards().items():
+    for name, text in build_files().items():
         path = args.out / name
-        text = render(model)
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(name)
@@ -154,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print(f"stale dashboards: {', '.join(stale)}; run python3 dashboards/generate.py",
+        print(f"stale generated files: {', '.join(stale)}; run python3 dashboards/generate.py",
               file=sys.stderr)
         return 1
     return 0

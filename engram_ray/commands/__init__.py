@@ -11,4 +11,5 @@ COMMANDS = {
     "node-labels": "node_labels",
     "local": "local",
     "probe": "probe",
+    "dashboards": "dashboards",
 }

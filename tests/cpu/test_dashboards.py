@@ -27,7 +27,7 @@ import generate  # noqa: E402
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=32, compressed_vocab_size=500, pad_token_id=2)
-VARIABLES = {"$model": ".*", "$engine": ".*", "$peer_group": ".*", "$__rate_interval": "10s"}
+VARIABLES = {"$cluster": ".*", "$job": ".*", "$model": ".*", "$engine": ".*", "$peer_group": ".*", "$__rate_interval": "10s"}
 
 
 def all_targets():
@@ -63,6 +63,17 @@ def test_dashboards_are_well_formed():
         return name
 
     assert {family(n) for n in names} <= defined
+
+
+def test_every_panel_query_filters_on_cluster_and_job():
+    for name, model in generate.build_dashboards().items():
+        variables = [v["name"] for v in model["templating"]["list"]]
+        assert variables[:3] == ["datasource", "cluster", "job"], name
+    for name, title, expr in all_targets():
+        assert 'cluster=~"$cluster"' in expr and 'job=~"$job"' in expr, (name, title, expr)
+        # every selector of the query, not only the first
+        selectors = re.findall(r"\{[^{}]*\}", expr.replace("{{", "").replace("}}", ""))
+        assert selectors and all("$cluster" in s and "$job" in s for s in selectors), expr
 
 
 def test_prometheus_config_is_valid():

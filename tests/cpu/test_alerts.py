@@ -1,0 +1,127 @@
+"""Alert rules (dashboards/engram_alerts.yml): generated, accepted by `promtool check rules`, and
+each alert fires on a synthetic series that should trip it and stays quiet on one that should not
+(`promtool test rules`). promtool comes with Debian's prometheus package (scripts/setup.sh)."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = ROOT / "dashboards"
+RULES = DASHBOARDS / "engram_alerts.yml"
+sys.path.insert(0, str(DASHBOARDS))
+import generate  # noqa: E402
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=(
+    "promtool not on PATH: it comes with Debian's prometheus package (bash scripts/setup.sh)"))
+
+G0 = 'model="m", peer_group="g0", engine="e0", rank="0", job="engram", instance="h:1"'
+G1 = 'model="m", peer_group="g1", engine="e1", rank="0", job="engram", instance="h:2"'
+GROUP0 = {"job": "engram", "model": "m", "peer_group": "g0"}
+
+
+def promtool(*args, cwd=None):
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=60)
+
+
+def unit_tests() -> dict:
+    """Series over 2 h at 1 m steps; group g0 trips each alert, group g1 stays healthy."""
+    series = [
+        # g0 unhealthy from minute 10 on; g1 healthy throughout.
+        {"series": f"engram_group_healthy{{{G0}}}", "values": "1x9 0x110"},
+        {"series": f"engram_group_healthy{{{G1}}}", "values": "1x120"},
+        # g0 restarts 5 times within 20 minutes; g1 once (below the threshold).
+        {"series": f"engram_group_generation{{{G0}}}", "values": "1x9 2x4 3x4 4x4 5x4 6x90"},
+        {"series": f"engram_group_generation{{{G1}}}", "values": "1x59 2x60"},
+        # e0's KV cache fills to 95 % from minute 30; e1 stays half free.
+        {"series": f"engram_kv_cache_capacity_bytes{{{G0}}}", "values": "1000x120"},
+        {"series": f"engram_kv_cache_headroom_bytes{{{G0}}}", "values": "500x29 50x90"},
+        {"series": f"engram_kv_cache_capacity_bytes{{{G1}}}", "values": "1000x120"},
+        {"series": f"engram_kv_cache_headroom_bytes{{{G1}}}", "values": "500x120"},
+        # e0's endpoint stops answering at minute 50.
+        {"series": 'up{job="engram", instance="h:1"}', "values": "1x49 0x70"},
+        {"series": 'up{job="engram", instance="h:2"}', "values": "1x120"},
+    ]
+    def fires(name, at, labels, value=""):
+        if labels is None:
+            return {"eval_time": at, "alertname": name, "exp_alerts": []}
+        return {"eval_time": at, "alertname": name, "exp_alerts": [{
+            "exp_labels": {**labels, "severity": RULE[name]["labels"]["severity"]},
+            "exp_annotations": {k: expand(v, labels, value)
+                                for k, v in RULE[name]["annotations"].items()}}]}
+    unhealthy, churn = "EngramPeerGroupUnhealthy", "EngramGenerationChurn"
+    headroom, down = "EngramKVCacheHeadroomLow", "EngramEngineDown"
+    alerts = [
+        fires(unhealthy, "9m", None), fires(unhealthy, "11m", None),  # not yet for 2 m
+        fires(unhealthy, "13m", GROUP0),
+        fires(churn, "15m", None),  # 2 restarts so far
+        fires(churn, "30m", GROUP0, "5"),  # 5 in the last hour
+        fires(churn, "100m", None),  # the restarts were more than an hour ago
+        fires(headroom, "35m", None),  # low, but not for 10 m yet
+        fires(headroom, "45m", {**GROUP0, "engine": "e0"}),
+        fires(down, "49m", None), fires(down, "53m", {"job": "engram", "instance": "h:1"}),
+    ]
+    return {"rule_files": [str(RULES)], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alerts}]}
+
+
+RULE = {r["alert"]: r for r in generate.build_rules()["groups"][0]["rules"]}
+
+
+def expand(template: str, labels: dict, value: str) -> str:
+    """The annotation Prometheus renders: `{{ $labels.x }}` and `{{ $value }}` filled in."""
+    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], template)
+    return text.replace("{{ $value }}", value)
+
+
+def test_committed_rules_match_the_generator():
+    assert RULES.read_text() == generate.render_rules(generate.build_rules())
+
+
+def test_rules_use_only_metrics_the_engines_export():
+    from engram_ray.metrics import EngineIdentity, EngineMetrics
+    defined = {m.name for m in EngineMetrics(EngineIdentity("m", "e", "g", 0)).registry.collect()}
+    used = {name for r in generate.build_rules()["groups"][0]["rules"]
+            for name in re.findall(r"\bengram_[a-z_]+", r["expr"])}
+    assert used and used <= defined, used - defined
+    assert set(RULE) == {"EngramPeerGroupUnhealthy", "EngramEngineDown",
+                             "EngramGenerationChurn", "EngramKVCacheHeadroomLow"}
+
+
+def test_prometheus_config_loads_the_rules():
+    config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
+    assert config["rule_files"] == [RULES.name]
+
+
+@needs_promtool
+def test_promtool_check_rules():
+    result = promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 4 rules found" in result.stdout
+
+
+@needs_promtool
+def test_each_alert_fires_on_its_series_and_stays_quiet_otherwise(tmp_path):
+    tests = tmp_path / "alerts_test.yml"
+    tests.write_text(yaml.safe_dump(unit_tests(), sort_keys=False))
+    result = promtool("test", "rules", str(tests))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_unit_test_can_fail(tmp_path):
+    """A wrong expectation (g1 healthy, yet expected to alert) makes promtool fail."""
+    spec = unit_tests()
+    spec["tests"][0]["alert_rule_test"] = [{
+        "eval_time": "30m", "alertname": "EngramPeerGroupUnhealthy",
+        "exp_alerts": [{"exp_labels": {**GROUP0, "peer_group": "g1", "severity": "critical"}},
+                       {"exp_labels": {**GROUP0, "severity": "critical"}}]}]
+    tests = tmp_path / "alerts_test.yml"
+    tests.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert promtool("test", "rules", str(tests)).returncode != 0
