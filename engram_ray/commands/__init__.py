@@ -12,4 +12,5 @@ COMMANDS = {
     "local": "local",
     "probe": "probe",
     "dashboards": "dashboards",
+    "check": "check",
 }

@@ -1,0 +1,119 @@
+"""`engram-ray check FILE...`: validate deployment files, telling their kind from the content:
+
+- Serve (`serve deploy`) YAML (top-level `applications`): Ray Serve's schema, then every
+  `engram_ray.serve:build_app` application's args through the checks `build_app` makes;
+- `ray up` cluster YAML (top-level `provider`): Ray's autoscaler schema and what engram-ray needs
+  on the nodes (engram_ray.serving.cluster_configs);
+- KubeRay manifest (one or more documents, one `kind: RayService`): each RayService's embedded
+  `spec.serveConfigV2` through the same Serve checks.
+
+One line per file, `OK FILE (kind: ...)` or `FAILED FILE: field: problem`; exit 1 if any failed.
+"""
+
+from __future__ import annotations
+
+from engram_ray.config import DEFAULT_DOMAIN_LABEL_KEY
+from engram_ray.errors import ConfigError, EngramRayError
+
+HELP = "validate Serve YAMLs, `ray up` files and KubeRay RayService manifests (kind from content)"
+FAILED = 1
+
+
+def configure(parser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="YAML files to check")
+    parser.add_argument("--label-key", default=DEFAULT_DOMAIN_LABEL_KEY,
+                        help="NVLink-domain node label the `ray up` files must set")
+
+
+def run(args) -> int:
+    failed = 0
+    for path in args.files:
+        try:
+            summary = check_file(path, args.label_key)
+        except EngramRayError as exc:
+            failed += 1
+            message = str(exc)
+            print(f"FAILED {message if message.startswith(path) else f'{path}: {message}'}",
+                  flush=True)
+        else:
+            print(f"OK {path} ({summary})", flush=True)
+    return FAILED if failed else 0
+
+
+def _documents(path: str) -> list:
+    import yaml
+
+    try:
+        with open(path) as f:
+            return [d for d in yaml.safe_load_all(f) if d is not None]
+    except OSError as exc:
+        raise ConfigError(path, f"cannot be read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        problem = " ".join(str(exc).split())
+        raise ConfigError(path, f"is not valid YAML ({problem})") from None
+
+
+def kind_of(docs: list) -> str:
+    """'kuberay', 'serve' or 'ray-up' from the documents' content."""
+    if any(isinstance(d, dict) and "kind" in d and "apiVersion" in d for d in docs):
+        return "kuberay"
+    if len(docs) == 1 and isinstance(docs[0], dict):
+        if "applications" in docs[0]:
+            return "serve"
+        if "provider" in docs[0]:
+            return "ray-up"
+    raise ConfigError("top level", "is none of the kinds engram-ray checks",
+                      "a Serve YAML (applications:), a `ray up` file (provider:) or a KubeRay "
+                      "manifest (apiVersion: ray.io/v1, kind: RayService)")
+
+
+def _apps(apps: dict) -> str:
+    return f"application{'s' if len(apps) != 1 else ''} {', '.join(apps)}"
+
+
+def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
+    """Validate one file; a one-line summary if it passes, else ConfigError naming the field."""
+    from engram_ray.serving.cluster_configs import check_ray_up_config, check_serve_config
+
+    docs = _documents(path)
+    try:
+        kind = kind_of(docs)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc.field}", exc.problem, exc.expected) from None
+    if kind == "serve":
+        return f"Serve: {_apps(check_serve_config(docs[0], path))}"
+    if kind == "ray-up":
+        check_ray_up_config(docs[0], path, label_key)
+        data = docs[0]
+        return (f"ray up: cluster {data.get('cluster_name', '?')}, provider "
+                f"{data['provider'].get('type', '?')}")
+    return _check_kuberay(path, docs)
+
+
+def _check_kuberay(path: str, docs: list) -> str:
+    import yaml
+
+    from engram_ray.serving.cluster_configs import check_serve_config
+
+    services = [(i, d) for i, d in enumerate(docs)
+                if isinstance(d, dict) and d.get("kind") == "RayService"]
+    if not services:
+        kinds = ", ".join(sorted({str(d.get("kind")) for d in docs if isinstance(d, dict)}))
+        raise ConfigError(f"{path}: kind", f"no RayService among the documents ({kinds})",
+                          "one document with kind: RayService")
+    summaries = []
+    for idx, service in services:
+        name = (service.get("metadata") or {}).get("name", f"document {idx}")
+        where = f"{path}: RayService {name}: spec.serveConfigV2"
+        text = (service.get("spec") or {}).get("serveConfigV2")
+        if not isinstance(text, str):
+            raise ConfigError(where, "is missing" if text is None else "is not a string",
+                              "the Serve YAML as a string (serveConfigV2: |)")
+        try:
+            serve = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(where, f"is not valid YAML ({' '.join(str(exc).split())})") from None
+        if not isinstance(serve, dict):
+            raise ConfigError(where, f"holds a {type(serve).__name__}", "a YAML mapping")
+        summaries.append(f"{name}: {_apps(check_serve_config(serve, where))}")
+    return f"KubeRay RayService {'; '.join(summaries)}"
