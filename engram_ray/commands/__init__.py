@@ -13,4 +13,5 @@ COMMANDS = {
     "probe": "probe",
     "dashboards": "dashboards",
     "check": "check",
+    "status": "status",
 }

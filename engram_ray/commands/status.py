@@ -1,0 +1,90 @@
+"""`engram-ray status`: the peer groups of a running deployment, from its coordinator actor
+(`engram-coordinator-<deployment.name>`, namespace `engram`): per group its NVLink domain,
+current generation (and how many came before), members, how many are ready, and whether the
+ingress sends it requests (else why not).
+
+    engram-ray status                                  # RAY_ADDRESS, else the local cluster
+    engram-ray status --address 10.0.0.1:6379 --name dsv41-flash
+    engram-ray status --json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from engram_ray.errors import EngramRayError
+
+HELP = "show the peer groups (generations, members, ready, serving) of a running deployment"
+TIMEOUT_S = 30
+
+
+def configure(parser) -> None:
+    parser.add_argument("--address", default="auto",
+                        help="Ray cluster to connect to (GCS address host:port; 'auto' uses "
+                             "RAY_ADDRESS or the cluster started on this node)")
+    parser.add_argument("--name", default="engram",
+                        help="the deployment's deployment.name")
+    parser.add_argument("--json", action="store_true",
+                        help="print status and routing as JSON")
+
+
+def collect(name: str) -> dict:
+    """{group id: status + routing} from the coordinator of deployment `name` (Ray connected)."""
+    import ray
+
+    from engram_ray.actors.coordinator import coordinator_name, find_coordinator
+
+    try:
+        coordinator = find_coordinator(name)
+    except ValueError:
+        raise EngramRayError(f"no coordinator {coordinator_name(name)} (namespace engram) on "
+                             "this cluster: is the deployment running, and is --name its "
+                             "deployment.name?") from None
+    status, (_, routing) = ray.get([coordinator.status.remote(), coordinator.routing.remote()],
+                                   timeout=TIMEOUT_S)
+    return {gid: {**group, **routing.get(gid, {})} for gid, group in status.items()}
+
+
+def format_status(name: str, groups: dict) -> str:
+    rows = [("GROUP", "DOMAIN", "GENERATION", "RESTARTS", "MEMBERS", "READY", "SERVING")]
+    for gid in sorted(groups):
+        g = groups[gid]
+        rows.append((gid, str(g.get("domain")), str(g.get("generation") or "-"),
+                     str(len(g.get("history", []))), str(len(g.get("members", {}))),
+                     str(len(g.get("ready_at", {}))),
+                     "yes" if g.get("serving") else f"no: {g.get('reason')}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = [f"deployment {name}: {sum(bool(g.get('serving')) for g in groups.values())} of "
+             f"{len(groups)} groups serving"]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    for gid in sorted(groups):
+        g = groups[gid]
+        ready = {str(r) for r in g.get("ready_at", {})}
+        for rank in sorted(g.get("members", {}), key=int):
+            member = g["members"][rank]
+            lines.append(f"  {gid} rank {rank}: {member.get('replica_id')} "
+                         f"({'ready' if str(rank) in ready else 'not ready'})")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import ray
+
+    try:
+        ray.init(address=args.address, namespace="engram", log_to_driver=False,
+                 logging_level=logging.WARNING, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise EngramRayError(f"cannot connect to Ray at {args.address}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                             ) from None
+    try:
+        groups = collect(args.name)
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps(groups, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_status(args.name, groups))
+    return 0

@@ -1,0 +1,78 @@
+"""`engram-ray status` against a real local Ray with a coordinator (no vLLM): the CLI, run as
+its own process, connects by address and prints each group's generation, members, ready count
+and serving state; a missing deployment name is one clear error line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engram_ray.serving.cluster_configs import load_serve_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def status(address, *args):
+    return subprocess.run([sys.executable, "-m", "engram_ray.cli", "status", "--address",
+                           address, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path):
+    ray = ray_local
+    from engram_ray.actors.coordinator import get_coordinator
+
+    raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="stat",
+                             model="deepseek-v4.1-flash", peer_group_size=1)
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"),
+                          num_peer_groups=2)
+    coordinator = get_coordinator(raw, {"group-0": "a", "group-1": "b"}, "stat")
+    try:
+        ray.get(coordinator.join.remote("group-0", "gang0", 0, 1, "m0"))
+        ray.get(coordinator.member_ready.remote("m0"))
+        ray.get(coordinator.join.remote("group-1", "gang1", 0, 1, "m1"))
+        address = ray.get_runtime_context().gcs_address
+
+        result = status(address, "--name", "stat")
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == "deployment stat: 1 of 2 groups serving"
+        assert lines[1].split() == ["GROUP", "DOMAIN", "GENERATION", "RESTARTS", "MEMBERS",
+                                    "READY", "SERVING"]
+        row0, row1 = lines[2].split(), lines[3].split()
+        assert (row0[0], row0[1], row0[3:]) == ("group-0", "a", ["0", "1", "1", "yes"])
+        assert (row1[0], row1[1], row1[3:6]) == ("group-1", "b", ["0", "1", "0"])
+        assert lines[3].endswith("no: 0 of 1 members ready")
+        assert row0[2].startswith("stat-group-0.") or row0[2] != "-"
+        assert lines[4:] == ["  group-0 rank 0: m0 (ready)", "  group-1 rank 0: m1 (not ready)"]
+
+        # a new gang for group-0 opens a new generation: restarts 1, not serving until ready
+        ray.get(coordinator.join.remote("group-0", "gang0b", 0, 1, "m0b"))
+        result = status(address, "--name", "stat", "--json")
+        assert result.returncode == 0, result.stderr
+        groups = json.loads(result.stdout)
+        assert len(groups["group-0"]["history"]) == 1
+        assert groups["group-0"]["generation"] != row0[2]
+        assert not groups["group-0"]["serving"] and not groups["group-1"]["serving"]
+
+        missing = status(address, "--name", "nope")
+        assert missing.returncode == 2
+        assert missing.stderr.strip().splitlines()[-1] == (
+            "engram-ray status: error: no coordinator engram-coordinator-nope (namespace "
+            "engram) on this cluster: is the deployment running, and is --name its "
+            "deployment.name?")
+    finally:
+        ray.kill(coordinator)
