@@ -29,7 +29,11 @@ def run(args) -> int:
     failed = 0
     for path in args.files:
         try:
-            summary = check_file(path, args.label_key)
+            try:
+                summary = check_file(path, args.label_key)
+            except ImportError as exc:  # `pip install engram-ray` without an extra: no Ray
+                raise EngramRayError(f"checking needs Ray Serve's schemas ({exc}); install "
+                                     "engram-ray[cpu] or engram-ray[gpu]") from None
         except EngramRayError as exc:
             failed += 1
             message = str(exc)

@@ -119,3 +119,30 @@ def test_no_file_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         main(["check"])
     assert exc.value.code == 2
+
+
+BLOCKED_RUN = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "ray", "vllm", "triton"):
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, Blocker())
+from engram_ray.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_ray_each_file_fails_with_what_to_install():
+    import subprocess
+    import sys
+
+    files = [str(CONFIGS / "serve_local_tiny.yaml"), str(CONFIGS / "ray_up_onprem.yaml")]
+    result = subprocess.run([sys.executable, "-c", BLOCKED_RUN, "check", *files],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and "Traceback" not in result.stderr
+    for path, line in zip(files, lines):
+        assert line.startswith(f"FAILED {path}: checking needs Ray Serve's schemas"), line
+        assert line.endswith("install engram-ray[cpu] or engram-ray[gpu]"), line

@@ -79,3 +79,18 @@ def test_dashboards_without_action_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["dashboards"])
     assert exc.value.code == 2
+
+
+def test_export_runs_without_torch_or_ray(tmp_path):
+    code = ("import sys\n"
+            "class B:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'ray', 'vllm', 'triton'):\n"
+            "            raise ImportError(name)\n"
+            "sys.meta_path.insert(0, B())\n"
+            "from engram_ray.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    result = subprocess.run([sys.executable, "-c", code, "dashboards", "export",
+                             str(tmp_path / "obs")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "obs/prometheus/engram_alerts.yml").is_file()
