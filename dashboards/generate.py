@@ -5,8 +5,9 @@ code generates (tests/cpu/test_dashboards.py runs it).
 
 Queries filter on the template variables `$cluster`, `$job` (Prometheus' own target labels: `job`
 from the scrape job, `cluster` from an external label or relabelling; a series without `cluster`
-still matches `.*`), `$model`, `$engine`, `$peer_group` and use `$__rate_interval`; vLLM's own series are matched under every name they can carry: `vllm:*`
-or `vllm_*` (an engine's `/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
+still matches `.*`), `$model`, `$engine`, `$peer_group` and use `$__rate_interval`; vLLM's own
+series are matched under every name they can carry: `vllm:*` or `vllm_*` (an engine's
+`/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
 """
 
 from __future__ import annotations
