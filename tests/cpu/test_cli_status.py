@@ -14,16 +14,6 @@ from engram_ray.serving.cluster_configs import load_serve_config
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def status(address, *args):
     return subprocess.run([sys.executable, "-m", "engram_ray.cli", "status", "--address",
                            address, *args], capture_output=True, text=True, timeout=120)

@@ -148,16 +148,6 @@ def test_prometheus_finds_engines_through_http_sd(tmp_path):
             server.stop()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_coordinator_slots_per_node_and_its_http_sd(ray_local, tmp_path):
     """Slots are the lowest free per node, kept on a second ask, freed on leave and when a
     gang ends; the coordinator serves its targets as http_sd (and file_sd) lists."""

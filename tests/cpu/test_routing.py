@@ -6,8 +6,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
-
 from engram_ray.generations import GenerationBook
 from engram_ray.layout import load_layout
 from engram_ray.serving.cluster_configs import load_serve_config
@@ -78,16 +76,6 @@ def test_group_failures_are_told_from_request_errors():
     assert not is_group_failure(ValueError("bad prompt"))
     assert not is_group_failure(ray.exceptions.RayTaskError("f", "tb", ValueError("x")))
     assert error_event("gone").startswith('data: {"error": {"message": "gone"')
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_coordinator_stops_routing_to_a_group_whose_replica_dies(ray_local, tmp_path):

@@ -75,16 +75,6 @@ def test_replica_peer_settings_carry_a_requested_handle_type_and_the_dp_base_ran
     assert "handle_type" not in peer_group_settings({**assignment, "handle_type": None})
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_local, tmp_path):
     ray = ray_local
     from engram_ray.actors.coordinator import get_coordinator
