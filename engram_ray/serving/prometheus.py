@@ -27,8 +27,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def scrape_config(base: Path, engram_sd: str, ray_sd: str | None, interval: str) -> dict:
-    """`base` (dashboards/prometheus.yml) with its file_sd paths and intervals replaced."""
+    """`base` (dashboards/prometheus.yml) with its file_sd paths and intervals replaced and
+    its rule files made absolute (the config is written elsewhere; Prometheus reads rule files
+    relative to the config file and takes a glob matching nothing as no rules)."""
     config = yaml.safe_load(base.read_text())
+    config["rule_files"] = [str(base.parent / f) for f in config.get("rule_files", ())]
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
     jobs = []
     for job in config["scrape_configs"]:

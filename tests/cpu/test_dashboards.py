@@ -122,6 +122,12 @@ def engines(tmp_path_factory):
         engine.close()
 
 
+def test_the_scrape_config_keeps_the_alert_rules_wherever_it_is_written(tmp_path):
+    config = scrape_config(DASHBOARDS / "prometheus.yml", str(tmp_path / "t.json"), None, "1s")
+    assert config["rule_files"] and all(Path(f).is_absolute() and Path(f).exists()
+                                        for f in config["rule_files"])
+
+
 def test_every_engram_panel_query_returns_data_from_prometheus(engines, tmp_path):
     sd_file = tmp_path / "targets.json"
     write_file_sd(str(sd_file), {e.metrics.identity.engine: {"target": e.server.target}
