@@ -117,13 +117,12 @@ class GenerationBook:
     def member_ready(self, replica_id: str) -> tuple[str, int] | None:
         """Member `replica_id`'s engine serves; (group id, rank), or None if no current
         generation holds it (its gang was replaced meanwhile)."""
-        for group in self.groups.values():
-            gen = group.current
-            for rank, member in gen.members.items() if gen else ():
-                if member["replica_id"] == replica_id:
-                    gen.ready_at.setdefault(rank, time.time())
-                    return group.group_id, rank
-        return None
+        member = self.find_member(replica_id)
+        if member is None:
+            return None
+        group_id, _, rank = member
+        self.groups[group_id].current.ready_at.setdefault(rank, time.time())
+        return group_id, rank
 
     def break_generation(self, group_id: str, generation: str, reason: str) -> bool:
         """Generation `generation` of `group_id` stops serving (first reason kept); False if

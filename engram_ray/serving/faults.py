@@ -100,7 +100,7 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
     new = wait_serving(name, group_id, other_than=old, timeout_s=recovery_timeout_s)
     answered = _first_answer(traffic, new, timeout_s=60.0)
     time.sleep(settle_s)
-    results = [r for r in traffic.results[first:]]
+    results = traffic.results[first:]
     status = group_status(name, group_id)
     ended = next(h for h in status["history"] if h["generation"] == old)
     return {"kind": kind, "group": group_id, "old_generation": old, "new_generation": new,
