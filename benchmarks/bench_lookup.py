@@ -11,17 +11,17 @@ asking for the same n-grams); median and p99. Bytes moved = rows x (264 read + o
 written: 264 packed, 512 bf16); HBM and peer GB/s are compared with the measured device copy
 ceiling (read + write), host tables' bytes read with the measured host-to-device copy ceiling.
 
-With `--tune` (the default) the tile launches and the thresholds are measured first
-(benchmarks/lookup_tuning.py) and used for the policy rows; they are in the JSON report.
-Usage: python benchmarks/bench_lookup.py --json R.json --md R.md [--sweep S.json]
+With `--tune` (the default) the tile launches and the thresholds are measured first (rules in
+engram_ray.kernels.lookup_tuning) and used for the policy rows; they are in the report.
+Writes benchmarks/results/lookup/latest.md and a line of its history.jsonl (`--results DIR`).
+Usage: python benchmarks/bench_lookup.py [--no-tune] [--sweep S.json] [--results DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,9 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lookup_tuning  # noqa: E402
+from common import add_results_argument, environment, write_results  # noqa: E402
 from engram_ray.host_memory import huge_page_bytes  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
+from engram_ray.kernels import lookup_tuning  # noqa: E402
 from engram_ray.reference import dequantize_rows  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, Table,  # noqa: E402
                            copy_ceilings, stats, time_launches)
@@ -39,6 +40,36 @@ from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, Table,  # noqa: E
 # ~1K, 4K, 16K, 32K, 64K, 256K, 1M and 1.57M looked-up rows (65536 tokens: vLLM's bar).
 TOKENS = [43, 64, 171, 683, 1366, 2731, 10923, 43691, 65536]   # 64: the bar's 1.5K rows
 OUT_BYTES = {"packed": ROW_BYTES, "bf16": 2 * HEAD_DIM}
+
+
+SWEEP_TOKENS = {"hbm": (43691, 2731), "peer": (43691, 2731), "host": (43691,),
+                "host_thp": (43691,)}
+PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
+
+
+def sweep(table, budget_s: float) -> list[dict]:
+    """Time every (tile rows, programs per SM, prefetch) at the sweep sizes, both outputs
+    (host tables: packed, with ids sorted as the large host lookups will be)."""
+    placement, found = table.placement, []
+    outs = ("packed",) if placement.startswith("host") else ("packed", "bf16")
+    for num_tokens in SWEEP_TOKENS[placement]:
+        ids = table.id_sets(num_tokens, seed=num_tokens + 1)
+        for out, block_rows, per_sm, prefetch in itertools.product(
+                outs, (16, 128), PROGRAMS_PER_SM, (False, True)):
+            config = kernel.TileConfig(block_rows, per_sm, 4 if block_rows == 16 else 8,
+                                       prefetch)
+
+            def run(i, config=config, out=out):
+                table.lookup(ids[i % len(ids)], out=out, block_rows=config.block_rows,
+                             programs_per_sm=config.programs_per_sm,
+                             num_warps=config.num_warps, prefetch=config.prefetch,
+                             sort_rows=placement.startswith("host"))
+            stat = stats(time_launches(run, budget_s=budget_s, min_reps=5, max_reps=50,
+                                       warmup=2))
+            found.append({"placement": placement, "rows": ids[0].numel(), "out": out,
+                          **config.__dict__, **stat})
+            print(json.dumps(found[-1]), flush=True)
+    return found
 
 
 def fixed_variants(placement: str) -> dict:
@@ -121,7 +152,7 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
     budget = args.budget_s * (1 if placement in ("hbm", "peer") else 2)
     policy = {}
     if args.tune:
-        found = lookup_tuning.sweep(table, budget / 4)
+        found = sweep(table, budget / 4)
         policy["sweep"] = found
         kernel.TILE_CONFIGS[placement] = lookup_tuning.best_configs(found)
     fixed = []
@@ -159,13 +190,9 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
     return rows, policy
 
 
-def environment(tables) -> dict:
-    props = torch.cuda.get_device_properties(0)
-    env = {"device": props.name, "num_gpus": torch.cuda.device_count(),
-           "num_sms": props.multi_processor_count,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": os.environ.get("ENGRAM_COMMIT", "unknown"), "torch": torch.__version__,
-           "triton": __import__("triton").__version__,
+def table_environment(tables) -> dict:
+    """The run's environment (GPU 0) with the tables' sizes and the THP table's huge pages."""
+    env = {**environment(gpu=True),
            "tables_GiB": {t.placement: round(t.nbytes / GIB, 2) for t in tables}}
     for table in tables:
         if table.placement == "host_thp":
@@ -242,9 +269,9 @@ def main() -> None:
     parser.add_argument("--no-tune", dest="tune", action="store_false",
                         help="use the committed policy instead of measuring it first")
     parser.add_argument("--max-host-baseline-rows", type=int, default=300_000)
-    parser.add_argument("--sweep", type=Path, help="write the tuning sweep here")
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--md", type=Path, required=True)
+    parser.add_argument("--sweep", type=Path, help="write the tuning sweep here, not in the "
+                        "history line")
+    add_results_argument(parser, "lookup")
     args = parser.parse_args()
     torch.cuda.set_device(0)
     placements = [p for p in args.placements if p != "peer" or torch.cuda.device_count() > 1]
@@ -254,18 +281,16 @@ def main() -> None:
     for placement in placements:
         gib = args.hbm_gib if placement in ("hbm", "peer") else args.host_gib
         tables.append(Table(placement, gib // 2 if placement == "peer" else gib))
-    report["environment"] = environment(tables)
+    report["environment"] = table_environment(tables)
     print(report["environment"], flush=True)
     for table in tables:
         rows, policy = bench_placement(table, args, report["ceilings"])
         report["results"] += rows
         report["policy"][table.placement] = policy
-        args.json.write_text(json.dumps(report, indent=1))
-    if args.sweep:
+    if args.sweep:  # else the sweep rows stay in the report
         args.sweep.write_text(json.dumps({p: pol.pop("sweep", []) for p, pol in
                                           report["policy"].items()}, indent=1))
-    args.json.write_text(json.dumps(report, indent=1))
-    args.md.write_text(markdown(report))
+    write_results(args.results, report, markdown(report), env=report["environment"])
 
 
 if __name__ == "__main__":

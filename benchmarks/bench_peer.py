@@ -12,19 +12,18 @@ check lookups of sampled ids bit-exact against the reference, then rank 0 times 
 lookup time, against the measured peer copy ceiling (1 GiB GPU1 -> GPU0), median and p99 of
 device-event timings with L2 flushed (`bench_lookup.time_launches`).
 
-Usage: python benchmarks/bench_peer.py rendezvous --md R.md --json R.json
-       python benchmarks/bench_peer.py gpu [--model deepseek-v4.1-flash | --small] --md .. --json ..
+Writes benchmarks/results/peer_rendezvous/ or peer_gpu/ (latest.md, a line of history.jsonl;
+`--results DIR` elsewhere).
+Usage: python benchmarks/bench_peer.py rendezvous
+       python benchmarks/bench_peer.py gpu [--model deepseek-v4.1-flash | --small] [--results DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from common import RESULTS, environment, write_results  # noqa: E402
 from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
 from engram_ray.peer.local_group import (check_member, expected_rows, file_barrier,  # noqa: E402
                                         random_row_ids, run_group)
@@ -42,14 +42,6 @@ SMALL = EngramLayout(layer_ids=(1, 14), vocab_size=2_000_000, max_ngram_size=4, 
                      head_dim=256, compressed_vocab_size=99092, pad_token_id=2)
 LOOKUP_ROWS = [1024, 8192, 65536, 262144, 1048576, 1572864]
 GIB = 1 << 30
-
-
-def environment() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("ENGRAM_COMMIT", "?")
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": os.environ.get("ENGRAM_COMMIT", commit), "host": platform.node(),
-            "cpus": os.cpu_count()}
 
 
 # --- rendezvous (CPU) -------------------------------------------------------------------
@@ -274,7 +266,8 @@ def bench_gpu(layout: EngramLayout, model: str, budget_s: float, sweep_min_rows:
     for r in results:
         if not r.is_ok:
             raise RuntimeError(f"rank {r.rank} failed:\n{r.value}")
-    return {"env": environment(), "model": model, "row_bytes": layout.row_bytes,
+    env = {**environment(), "device": results[0].value["gpu"]}
+    return {"env": env, "model": model, "row_bytes": layout.row_bytes,
             "members": [r.value for r in results]}
 
 
@@ -334,15 +327,6 @@ def gpu_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(text: str, report: dict, md_path: str | None, json_path: str | None) -> None:
-    """Print the markdown table; write it and the raw report where asked."""
-    print(text)
-    if md_path:
-        Path(md_path).write_text(text)
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("rendezvous", "gpu"))
@@ -353,8 +337,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.3)
     parser.add_argument("--sweep-min-rows", type=int, default=1 << 20,
                         help="time kernel tile variants for lookups of at least this many rows")
-    parser.add_argument("--md")
-    parser.add_argument("--json")
+    parser.add_argument("--results", type=Path, help="folder of latest.md and history.jsonl "
+                        "(default benchmarks/results/peer_rendezvous or peer_gpu)")
     args = parser.parse_args()
     if args.what == "rendezvous":
         report = bench_rendezvous([int(s) for s in args.sizes.split(",")], args.repeats)
@@ -364,7 +348,8 @@ def main() -> None:
             load_layout(args.model), args.model)
         report = bench_gpu(layout, model, args.budget_s, args.sweep_min_rows)
         text = gpu_markdown(report)
-    write_report(text, report, args.md, args.json)
+    print(text)
+    write_results(args.results or RESULTS / f"peer_{args.what}", report, text, env=report["env"])
 
 
 if __name__ == "__main__":

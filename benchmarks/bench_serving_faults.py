@@ -8,7 +8,8 @@ streamed and not, completions and chat; a request counts as served only if its c
 finish_reason and [DONE]), kills an EngineCore (kill -9), waits until its group serves a new
 generation, kills a Serve replica (of the other group with 2x1), waits again, then sends the
 malformed-request table (`engram_ray.serving.probes`). Writes
-`benchmarks/results/serving_faults_<date>_<commit>.json` and `.md`: per kill `requests`,
+`benchmarks/results/serving_faults/latest.md` and a line of its `history.jsonl` (`--results
+DIR` elsewhere): per kill `requests`,
 `lost_silently`, `failed_visibly`, `traffic_off_s`, `recovered_s` and the recovery's parts;
 `malformed_probes`, `malformed_4xx`, `tracebacks_in_bodies`.
 """
@@ -17,27 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
+import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import add_results_argument, environment, now, write_results  # noqa: E402
+
 LAYOUTS = {"2x1": (2, 1), "1x2": (1, 2)}
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB"
-
-
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=RESULTS.parent.parent).stdout.strip() or "unknown"
 
 
 def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int) -> dict:
@@ -47,7 +36,7 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
     from engram_ray.serving.probes import probe_summary, run_probes
 
     num_groups, size = LAYOUTS[layout]
-    code_commit = commit()  # the code this run imports, whatever lands while it runs
+    env = environment()  # the code this run imports, whatever lands while it runs
     deployment = LocalDeployment(LocalOptions(workdir=workdir, port=port, name="faults",
                                               num_peer_groups=num_groups,
                                               peer_group_size=size))
@@ -67,8 +56,8 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
         probes = run_probes(deployment.url, deployment.model_id)
     finally:
         deployment.stop()
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": code_commit, "device": machine(), "layout": layout,
+    return {"date": now(), "commit": env["commit"], "worktree_clean": env["worktree_clean"],
+            "device": env["device"], "layout": layout,
             "num_peer_groups": num_groups, "peer_group_size": size,
             "concurrency": concurrency, "max_tokens": max_tokens,
             "startup_s": round(startup_s, 1), "kills": kills,
@@ -77,11 +66,7 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
             **probe_summary(probes)}
 
 
-def write(result: dict) -> Path:
-    day = result["date"][:10]
-    suffix = "" if result["layout"] == "2x1" else f"_{result['layout']}"
-    stem = RESULTS / f"serving_faults_{day}_{result['commit']}{suffix}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+def markdown(result: dict) -> str:
     lines = [f"# Faults under load, local deployment ({result['date']}, commit "
              f"{result['commit']})", "",
              f"Device: {result['device']}. Layout {result['layout']}: "
@@ -118,8 +103,7 @@ def write(result: dict) -> Path:
     for k in result["kills"]:
         lines += [f"- {k['kind']}: " + "; ".join(k["errors"]) if k["errors"] else
                   f"- {k['kind']}: none"]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    return stem.with_suffix(".md")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -129,9 +113,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--workdir", default="/tmp/engram-ray-faults")
     parser.add_argument("--port", type=int, default=8100)
+    add_results_argument(parser, "serving_faults")
     args = parser.parse_args()
     result = run(args.layout, args.concurrency, args.max_tokens, args.workdir, args.port)
-    print(f"wrote {write(result)}")
+    write_results(args.results, result, markdown(result))
 
 
 if __name__ == "__main__":

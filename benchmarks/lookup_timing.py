@@ -1,4 +1,4 @@
-"""Timing and tables shared by the lookup benchmark and its tuner (benchmarks/bench_lookup.py).
+"""Timing and tables the lookup benchmarks share (bench_lookup, bench_model_lookup, bench_peer*).
 
 Times are device events per launch with L2 flushed before each launch and the GPU held back by
 a sleep kernel, so launches queue up and Python launch overhead stays out of the numbers.
@@ -13,20 +13,11 @@ import torch
 
 from engram_ray.host_memory import allocate_host_table
 from engram_ray.kernels import lookup as kernel
+from engram_ray.kernels.lookup_tuning import num_id_sets  # noqa: F401 (the benchmarks' import)
 from engram_ray.reference import random_table
 
 HEAD_DIM, ROW_BYTES, NUM_COLS = 256, 264, 24
 GIB = 1 << 30
-NUM_ID_SETS = 4
-ID_SET_REUSE_ROWS = 1 << 18  # rows other launches read before an id set comes round again
-
-
-def num_id_sets(num_rows: int) -> int:
-    """Id sets a timing loop rotates over: NUM_ID_SETS, more for small lookups, so that
-    ~ID_SET_REUSE_ROWS rows are read before a set is read again (at most 64 sets)."""
-    return max(NUM_ID_SETS, min(64, ID_SET_REUSE_ROWS // max(1, num_rows)))
-
-
 _FLUSH: list[torch.Tensor] = []
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lookup_asm import compile_variant  # noqa: E402
+from support.lookup_compile import compile_variant  # noqa: E402
 
 
 @pytest.mark.parametrize("split_bytes", [0, 32])

@@ -1,13 +1,8 @@
-"""The tile-policy tuner's choices (benchmarks/lookup_tuning.py) from sweep rows: pure Python."""
+"""The tile-policy tuner's choices (engram_ray.kernels.lookup_tuning) from sweep rows: pure
+Python."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import lookup_tuning  # noqa: E402
-
-from engram_ray.kernels.lookup_policy import TILE_CONFIGS  # noqa: E402
+from engram_ray.kernels import lookup_tuning
+from engram_ray.kernels.lookup_policy import TILE_CONFIGS
 
 
 def _row(placement, block_rows, per_sm, prefetch, median_ms, rows=1048584, out="packed"):
@@ -34,7 +29,7 @@ def test_timed_launches_do_not_reread_recent_rows():
     """Benchmarks rotate over enough id sets that ~2^18 rows are read before a set comes round
     again (a host table's warm address translations made the next launch over the same rows
     4x faster at 4K rows), at least 4 and at most 64 sets."""
-    from lookup_timing import ID_SET_REUSE_ROWS, num_id_sets
+    from engram_ray.kernels.lookup_tuning import ID_SET_REUSE_ROWS, num_id_sets
     for num_rows in (1, 1032, 4104, 16392, 65544, 1572864):
         sets = num_id_sets(num_rows)
         assert 4 <= sets <= 64
