@@ -14,3 +14,12 @@ mkdir -p "$OUT"
     python3 -m pip install -q --no-deps --no-build-isolation -e . && echo "installed"
 } > "$OUT/env.txt" 2>&1
 tail -2 "$OUT/env.txt"
+
+# results_copy NAME: a copy of benchmarks/results/NAME/ under $OUT, printed; a benchmark given
+# `--results "$(results_copy NAME)"` rewrites its latest.md there and appends to its
+# history.jsonl, and both come back to be copied over benchmarks/results/NAME/ and committed.
+results_copy() {
+    mkdir -p "$OUT/$1"
+    cp "$(dirname "${BASH_SOURCE[0]}")/results/$1/"{latest.md,history.jsonl} "$OUT/$1/" 2>/dev/null
+    echo "$OUT/$1"
+}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Lookup kernels on a lent GPU machine (the `run` device tool), from the repository root:
-# installs the checkout, runs tests/gpu, dumps PTX/SASS evidence and runs the benchmark.
-# Everything lands in $OUT (at most 8 files): env.txt pytest.log asm.txt bench.log bench.json
-# bench.md [sweep.json].
+# installs the checkout, runs the lookup kernel's GPU tests and the benchmark. Everything lands
+# in $OUT (at most 8 files): env.txt pytest.log bench.log [sweep.json] and lookup/latest.md +
+# lookup/history.jsonl (copy both over benchmarks/results/lookup/).
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_kernels.sh [final|tune|quick]
 #   final: the committed tile policy; tune: measure the policy first (sweep.json) and use it;
 #   quick: tune with fewer sizes and a smaller budget.
@@ -17,16 +17,12 @@ timeout 330 python3 -m pytest tests/gpu/test_lookup.py tests/gpu/test_lookup_lau
 echo "pytest rc=$? in $((SECONDS - t0)) s: $(tail -1 "$OUT/pytest.log")"
 
 t0=$SECONDS
-timeout 90 python3 benchmarks/lookup_asm.py --out "$OUT/asm.txt" > /dev/null 2>&1
-echo "asm rc=$? in $((SECONDS - t0)) s"; grep -E "^lookup_r(16|128)_(packed|bf16)(_prefetch)? " "$OUT/asm.txt" | cut -c1-220
-
-t0=$SECONDS
 case "$MODE" in
     quick) BENCH=(--budget-s 0.15 --tokens 43 683 2731 43691 65536 --sweep "$OUT/sweep.json") ;;
     tune) BENCH=(--budget-s 0.3 --sweep "$OUT/sweep.json") ;;
     *) BENCH=(--budget-s 0.3 --no-tune) ;;
 esac
-timeout 420 python3 benchmarks/bench_lookup.py --json "$OUT/bench.json" --md "$OUT/bench.md" \
+timeout 420 python3 benchmarks/bench_lookup.py --results "$(results_copy lookup)" \
     "${BENCH[@]}" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
 grep -v '^{' "$OUT/bench.log" | grep -v "^hbm\|^peer\|^host" | tail -20

@@ -2,7 +2,7 @@
 # Peer-group tables on a lent 2-GPU machine (the `run` device tool), from the repository root:
 # installs the checkout, runs `engram-ray doctor`, tests/gpu/test_peer_cuda.py and the peer
 # benchmark (bench_peer.py gpu). Files land in $OUT: env.txt doctor.txt pytest.log bench.log
-# peer_gpu.md peer_gpu.json.
+# peer_gpu/latest.md peer_gpu/history.jsonl (copy both over benchmarks/results/peer_gpu/).
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_peer.sh [quick|full]
 #   quick: doctor + tests + the benchmark on a small layout (2M vocab, ~12 GiB per GPU)
 #   full:  doctor + tests + the benchmark on DeepSeek-V4.1-Flash at real size (~94 GiB per GPU)
@@ -24,7 +24,7 @@ else
     BENCH=(--model deepseek-v4.1-flash --budget-s 0.4); LIMIT=400
 fi
 t0=$SECONDS
-timeout $LIMIT python3 benchmarks/bench_peer.py gpu "${BENCH[@]}" --md "$OUT/peer_gpu.md" \
-    --json "$OUT/peer_gpu.json" > "$OUT/bench.log" 2>&1
+timeout $LIMIT python3 benchmarks/bench_peer.py gpu "${BENCH[@]}" \
+    --results "$(results_copy peer_gpu)" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
 grep -v "fill layer" "$OUT/bench.log" | tail -60
