@@ -46,7 +46,7 @@ def test_tile_config_defaults_and_validation():
 
 def test_cache_hints_default_to_none_and_unknown_ones_are_refused():
     """The committed launches use no cache hints (measured: .cg and evict_first loads were
-    slower, streaming stores equal; benchmarks/results/lookup_limits_h200.md)."""
+    slower, streaming stores equal; docs/lookup_experiments.md)."""
     for configs in TILE_CONFIGS.values():
         for config in configs.values():
             assert (config.load_cache, config.load_evict, config.store_cache) == ("", "", "")
