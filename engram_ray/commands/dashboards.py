@@ -38,11 +38,14 @@ def configure(parser) -> None:
     export.add_argument("--dashboards-path", metavar="PATH",
                         help="folder of the dashboard JSON as Grafana sees it (e.g. inside its "
                              "container); default: DIR/grafana/dashboards, absolute")
+    export.add_argument("--cluster", metavar="NAME",
+                        help="value of the `cluster` label prometheus.yml gives every target "
+                             "(the dashboards' $cluster); default: the shipped file's, engram")
 
 
 def run(args) -> int:
     written = export(Path(args.dir), force=args.force, prometheus_url=args.prometheus_url,
-                     dashboards_path=args.dashboards_path)
+                     dashboards_path=args.dashboards_path, cluster=args.cluster)
     for path in written:
         print(path)
     return 0
@@ -63,7 +66,7 @@ def provisioning(dashboards_path: str, prometheus_url: str) -> dict[str, dict]:
 
 
 def export(out: Path, force: bool = False, prometheus_url: str = "http://localhost:9090",
-           dashboards_path: str | None = None) -> list[Path]:
+           dashboards_path: str | None = None, cluster: str | None = None) -> list[Path]:
     import yaml
 
     if out.exists() and not out.is_dir():
@@ -74,6 +77,14 @@ def export(out: Path, force: bool = False, prometheus_url: str = "http://localho
     files: dict[str, str] = {}
     for name in PROMETHEUS_FILES:
         files[f"prometheus/{name}"] = (package / name).read_text()
+    if cluster is not None:
+        from engram_ray.serving.prometheus import with_cluster
+
+        config = with_cluster(yaml.safe_load(files["prometheus/prometheus.yml"]), cluster)
+        files["prometheus/prometheus.yml"] = (
+            f"# dashboards/prometheus.yml, every target labelled cluster={cluster!r} "
+            f"(engram-ray dashboards export --cluster)\n"
+            + yaml.safe_dump(config, sort_keys=False))
     dashboards = sorted(p.name for p in package.iterdir() if p.name.endswith(".json"))
     if not dashboards:
         raise EngramRayError("no dashboards in the installed package (engram_ray.dashboards)")

@@ -19,6 +19,9 @@ import yaml
 
 from engram_ray.errors import EngramRayError
 
+CLUSTER_LABEL = "cluster"
+LOCAL_CLUSTER = "local"  # the `cluster` label of the local deployment's targets
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
@@ -26,10 +29,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def scrape_config(base: Path, engram_sd: str, ray_sd: str | None, interval: str) -> dict:
-    """`base` (dashboards/prometheus.yml) with its file_sd paths and intervals replaced and
-    its rule files made absolute (the config is written elsewhere; Prometheus reads rule files
-    relative to the config file and takes a glob matching nothing as no rules)."""
+def with_cluster(config: dict, cluster: str) -> dict:
+    """`config` with every scrape job setting the target label `cluster` to `cluster` (the
+    dashboards' `$cluster` variable), replacing a `cluster` rule it had. A target label, not an
+    external label: Prometheus adds external labels only on the way out (federation, remote
+    write, Alertmanager), so its own queries, and Grafana's through it, would not see them."""
+    if not isinstance(cluster, str) or not cluster.strip():
+        raise EngramRayError(f"cluster: is {cluster!r}, expected a non-empty name (the value "
+                             "of the `cluster` label on every target)")
+    for job in config["scrape_configs"]:
+        rules = [r for r in job.get("relabel_configs", ())
+                 if r.get("target_label") != CLUSTER_LABEL]
+        job["relabel_configs"] = [{"target_label": CLUSTER_LABEL, "replacement": cluster},
+                                  *rules]
+    return config
+
+
+def scrape_config(base: Path, engram_sd: str, ray_sd: str | None, interval: str,
+                  cluster: str = LOCAL_CLUSTER) -> dict:
+    """`base` (dashboards/prometheus.yml) with its file_sd paths and intervals replaced, every
+    target labelled `cluster` (`with_cluster`) and its rule files made absolute (the config is
+    written elsewhere; Prometheus reads rule files relative to the config file and takes a glob
+    matching nothing as no rules)."""
     config = yaml.safe_load(base.read_text())
     config["rule_files"] = [str(base.parent / f) for f in config.get("rule_files", ())]
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
@@ -41,7 +62,7 @@ def scrape_config(base: Path, engram_sd: str, ray_sd: str | None, interval: str)
         job["file_sd_configs"] = [{"files": [path], "refresh_interval": interval}]
         jobs.append(job)
     config["scrape_configs"] = jobs
-    return config
+    return with_cluster(config, cluster)
 
 
 class Prometheus:

@@ -70,6 +70,23 @@ def test_ray_up_configs_load(path):
     assert data["provider"]["type"] in ("aws", "local")
 
 
+@pytest.mark.parametrize("path", RAY_UP_FILES, ids=lambda p: p.name)
+def test_ray_up_prometheus_labels_targets_with_the_cluster_name(path):
+    """The head exports the scrape config with --cluster <cluster_name> and runs Prometheus on
+    that export (test_metrics_discovery.py runs it in a real Prometheus)."""
+    import re
+
+    data = read_yaml(path)
+    commands = data["head_start_ray_commands"]
+    exports = [re.fullmatch(r"engram-ray dashboards export --force --cluster (\S+) (\S+)", c)
+               for c in commands]
+    [(cluster, folder)] = [m.groups() for m in exports if m]
+    assert cluster == data["cluster_name"]
+    [prometheus] = [c for c in commands if c.startswith("nohup prometheus ")]
+    assert f"--config.file={folder}/prometheus/prometheus.yml" in prometheus
+    assert commands.index(prometheus) > [bool(m) for m in exports].index(True)
+
+
 BROKEN_SERVE = [
     (lambda d: d["applications"][0]["args"]["deployment"].update(peer_group_sise=8),
      "peer_group_sise: is not a known setting"),

@@ -55,6 +55,8 @@ PODMONITOR_SPEC = {"jobLabel", "podTargetLabels", "podMetricsEndpoints", "select
 PODMONITOR_ENDPOINT = {"port", "portNumber", "targetPort", "path", "scheme", "params",
                        "interval", "scrapeTimeout", "honorLabels", "honorTimestamps",
                        "relabelings", "metricRelabelings"}
+RELABEL_CONFIG = {"sourceLabels", "separator", "targetLabel", "regex", "modulus",
+                  "replacement", "action"}
 MAX_RAYSERVICE_NAME = 47  # KubeRay: 53-character cluster names minus its 6-character suffix
 
 
@@ -354,3 +356,19 @@ def test_engine_metrics_ports_are_fixed_named_and_scraped(manifest):
                     for s in range(gpus(container)) for e in ENDPOINTS}
         assert {n: p for n, p in named.items() if n.startswith("engram-")} == expected
         assert sorted(scraped) == sorted(expected)
+
+
+def test_every_scraped_target_gets_the_cluster_label(manifest):
+    """Both PodMonitors give every endpoint's targets `cluster` = the RayService's name (the
+    dashboards' $cluster): a literal replace with no source labels, ahead of any other rule
+    (tests/cpu/test_metrics_discovery.py runs these rules in a real Prometheus)."""
+    _, docs = manifest
+    name = rayservice(docs)["metadata"]["name"]
+    for monitor in monitors(docs):
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            rules = endpoint.get("relabelings", [])
+            assert all(set(rule) <= RELABEL_CONFIG for rule in rules), rules
+            cluster = [r for r in rules if r.get("targetLabel") == "cluster"]
+            assert cluster == [{"targetLabel": "cluster", "replacement": name}], (
+                monitor["metadata"]["name"], endpoint["port"])
+            assert cluster[0].get("action", "replace") == "replace"

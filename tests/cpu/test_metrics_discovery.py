@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.serving.cluster_configs import load_serve_config
+from engram_ray.serving.cluster_configs import load_serve_config, read_yaml
 from engram_ray.serving.exposition import (MetricsServer, TargetsServer, metrics_port,
-                                           port_name, target_groups)
+                                           port_name, target_groups, write_file_sd)
 from engram_ray.serving.prometheus import Prometheus, free_port
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
@@ -212,3 +212,111 @@ def test_model_process_endpoint_binds_its_fixed_port(tmp_path):
             assert b"engram_" in resp.read()
     finally:
         metrics.server.stop()
+
+
+# --- the `cluster` label ($cluster in the dashboards) on every shipped scrape path -----------
+
+DASHBOARDS = CONFIGS.parent / "dashboards"
+
+
+def _ray_up_cluster(path: Path) -> str:
+    """The --cluster of the `engram-ray dashboards export` a ray up file runs on its head."""
+    for command in read_yaml(path)["head_start_ray_commands"]:
+        found = re.search(r"engram-ray dashboards export .*--cluster (\S+)", command)
+        if found:
+            return found[1]
+    raise AssertionError(f"{path.name}: no engram-ray dashboards export --cluster on the head")
+
+
+def _podmonitor_relabel_configs(manifest: Path) -> list[dict]:
+    """The engines' PodMonitor relabelings as Prometheus relabel_configs (what Prometheus
+    Operator writes for them: the same fields in snake_case)."""
+    import yaml
+
+    [monitor] = [d for d in yaml.safe_load_all(manifest.read_text())
+                 if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-engines")]
+    [relabelings] = {yaml.safe_dump(e["relabelings"]): e["relabelings"]
+                     for e in monitor["spec"]["podMetricsEndpoints"]}.values()
+    snake = {"targetLabel": "target_label", "sourceLabels": "source_labels",
+             "replacement": "replacement", "action": "action", "regex": "regex"}
+    return [{snake[k]: v for k, v in rule.items()} for rule in relabelings]
+
+
+def _local_path(sd_file: Path, tmp_path: Path) -> tuple[dict, str]:
+    from engram_ray.serving.prometheus import LOCAL_CLUSTER, scrape_config
+
+    return scrape_config(DASHBOARDS / "prometheus.yml", str(sd_file), None, "1s"), LOCAL_CLUSTER
+
+
+def _ray_up_path(sd_file: Path, tmp_path: Path) -> tuple[dict, str]:
+    """What ray_up_onprem.yaml's head runs: the exported prometheus.yml of its --cluster, its
+    file_sd paths pointed at this test's list."""
+    import yaml
+
+    from engram_ray.commands.dashboards import export
+
+    cluster = _ray_up_cluster(CONFIGS / "ray_up_onprem.yaml")
+    export(tmp_path / "obs", cluster=cluster)
+    config = yaml.safe_load((tmp_path / "obs/prometheus/prometheus.yml").read_text())
+    config["rule_files"] = [str(tmp_path / "obs/prometheus" / f) for f in config["rule_files"]]
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    for job in config["scrape_configs"]:
+        job["file_sd_configs"] = [{"files": [str(sd_file)], "refresh_interval": "1s"}]
+    return config, cluster
+
+
+def _kuberay_path(sd_file: Path, tmp_path: Path) -> tuple[dict, str]:
+    manifest = CONFIGS / "kuberay" / "rayservice_gb300_nvl72.yaml"
+    return {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "engines",
+                                "file_sd_configs": [{"files": [str(sd_file)],
+                                                     "refresh_interval": "1s"}],
+                                "relabel_configs": _podmonitor_relabel_configs(manifest)}]}, \
+        "dsv41-flash-gb300"
+
+
+@pytest.mark.parametrize("scrape_path", [_local_path, _ray_up_path, _kuberay_path],
+                         ids=["local", "ray-up", "kuberay-podmonitor"])
+def test_every_scrape_path_labels_its_targets_with_the_cluster(scrape_path, tmp_path):
+    """A real Prometheus run with each shipped scrape config answers a query on
+    cluster="<name>" (what the dashboards' $cluster sends) with the engine's series, and `up`."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    registry = CollectorRegistry()
+    Gauge("engram_group_healthy", "a group's health, as the engines export it",
+          registry=registry).set(1)
+    server = MetricsServer([registry], "127.0.0.1", 0, include_process_registry=False)
+    sd_file = tmp_path / "targets.json"
+    write_file_sd(str(sd_file), {"r0": {"target": server.target}})
+    config, cluster = scrape_path(sd_file, tmp_path)
+    prom = None
+    try:
+        prom = Prometheus(config, workdir=str(tmp_path))
+        query = f'engram_group_healthy{{cluster="{cluster}"}}'
+        result = _wait(lambda: prom.query(query), 30, f"{query}; log: {prom.log_tail()}")
+        assert [float(r["value"][1]) for r in result] == [1.0]
+        # The values Grafana offers for $cluster (label_values(engram_group_healthy, cluster)).
+        assert prom.api("label/cluster/values") == [cluster]
+        assert prom.query(f'up{{cluster="{cluster}"}}')
+        assert not prom.query('engram_group_healthy{cluster=""}')
+    finally:
+        if prom is not None:
+            prom.stop()
+        server.stop()
+
+
+def test_cluster_label_names_are_checked_and_replace_the_files():
+    import yaml
+
+    from engram_ray.errors import EngramRayError
+    from engram_ray.serving.prometheus import with_cluster
+
+    base = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
+    assert {job["job_name"]: job["relabel_configs"] for job in base["scrape_configs"]} == {
+        job: [{"target_label": "cluster", "replacement": "engram"}] for job in ("engram", "ray")}
+    relabeled = with_cluster(base, "rack-7")
+    for job in relabeled["scrape_configs"]:
+        assert job["relabel_configs"] == [{"target_label": "cluster", "replacement": "rack-7"}]
+    for bad in ("", "  ", None):
+        with pytest.raises(EngramRayError, match="cluster: is"):
+            with_cluster(base, bad)
