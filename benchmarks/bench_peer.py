@@ -10,7 +10,7 @@ synthetic rows generated on the GPU), check allocated bytes against `make_plan(.
 check lookups of sampled ids bit-exact against the reference, then rank 0 times lookups of
 1K..1.57M rows with half the rows on the peer: GB/s of remote row bytes (264 B each) over the
 lookup time, against the measured peer copy ceiling (1 GiB GPU1 -> GPU0), median and p99 of
-device-event timings with L2 flushed (`bench_lookup.time_launches`).
+device-event timings with L2 flushed (`lookup_timing.time_launches`).
 
 Writes benchmarks/results/peer_rendezvous/ or peer_gpu/ (latest.md, a line of history.jsonl;
 `--results DIR` elsewhere).
@@ -154,9 +154,8 @@ def lookup_with(config, ids, layout, bases, per_rank):
 def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[dict]:
     """Half-remote lookups (the table's own path), all-remote and all-local lookups, the
     local index_select baseline; at >= `sweep_min_rows` rows also kernel tile variants."""
-    from bench_lookup import stats, time_launches
     from engram_ray.kernels.lookup import engram_lookup
-    from lookup_timing import num_id_sets
+    from lookup_timing import num_id_sets, stats, time_launches
 
     table = tables.tables[layout.layer_ids[0]]
     per_rank, peer_rows = table.rows_per_rank, table.num_rows - table.rows_per_rank

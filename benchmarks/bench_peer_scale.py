@@ -10,7 +10,7 @@ lookups bit-exact against `expected_rows`. Then two peer copy ceilings: rank 0 a
 from GPU (r+1) % P (a ring: every GPU sends and receives one copy). Then ALL ranks at once
 (a file barrier before each size) look up uniform random ids over the whole table
 (1K..1.57M rows: (P-1)/P of them remote), device-event timings with L2 flushed
-(`bench_lookup.time_launches`): median and p99, GB/s of remote row bytes per GPU.
+(`lookup_timing.time_launches`): median and p99, GB/s of remote row bytes per GPU.
 Close, then the next P. The markdown compares the KV budget gain between consecutive sizes
 with the plan's (23.60 GiB from 4 to 8 for DeepSeek-V4.1-Flash).
 
@@ -74,7 +74,7 @@ def member_lookups(rank: int, size: int, table, layout: EngramLayout, barrier_di
                    budget_s: float) -> list[dict]:
     """All ranks at once (barrier before each size): uniform ids, timed; sampled bit-exact."""
     import torch
-    from bench_lookup import stats, time_launches
+    from lookup_timing import stats, time_launches
     device = f"cuda:{rank}"
     rows = []
     for num_rows in LOOKUP_ROWS:
