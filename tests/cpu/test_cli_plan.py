@@ -149,3 +149,41 @@ def test_help_shows_every_default():
                 f"{action.default!r}")
     plan_help = " ".join(sub.choices["plan"].format_help().split())
     assert "(default: 8)" in plan_help and "(default: peer)" in plan_help
+
+
+def test_compare_prints_the_host_kv_cache_the_freed_memory_buys(tmp_path):
+    """Freed host memory per GPU less the reserve, for vLLM's CPU KV-cache offloading, and the
+    tokens it holds: not known for the preset (Engram fields only), from --kv-bytes-per-token
+    or a config.json with attention fields."""
+    out = run_cli("plan", "--compare").stdout
+    assert ("host KV cache:   78.42 GiB per GPU (94.42 GiB freed - 16.00 GiB reserve) for "
+            "vLLM's") in out
+    assert "(serving.host_kv_cache_gib: auto)" in out and "tokens it holds: not known" in out
+    freed = 384006168 * 264 + 384016682 * 264  # both tables, heads split over DP=2
+    tokens = (freed // 2 - 16 * 2**30) // 4000
+    out = run_cli("plan", "--compare", "--kv-bytes-per-token", "4000").stdout
+    assert f"= {tokens:,} tokens of KV cache per GPU at 4,000 bytes per token" in out
+    less = run_cli("plan", "--compare", "--host-reserve-gib", "40").stdout
+    assert "54.42 GiB per GPU (94.42 GiB freed - 40.00 GiB reserve)" in less
+    config = {"engram_layer_ids": [1, 14], "engram_vocab_size": 16000000,
+              "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
+              "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 2,
+              "num_hidden_layers": 4, "num_key_value_heads": 8, "head_dim": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = run_cli("plan", "--model", str(tmp_path), "--compare").stdout
+    per_token = 2 * 4 * 8 * 128 * 2
+    assert f"= {(freed // 2 - 16 * 2**30) // per_token:,} tokens" in out
+    assert f"at {per_token:,} bytes per token" in out and "4 layers x 8 KV heads" in out
+    # the other way round nothing is freed, and that is said
+    back = run_cli("plan", "--placement", "host", "--compare", "peer").stdout
+    assert "host KV cache:   none: no host memory freed" in back
+
+
+def test_compare_json_has_the_host_kv_cache():
+    out = json.loads(run_cli("plan", "--json", "--compare", "--kv-bytes-per-token",
+                             "1000").stdout)["host_kv_cache"]
+    assert out["host_freed_gib_per_gpu"] == 94.42 and out["reserve_gib_per_gpu"] == 16.0
+    assert out["host_kv_cache_gib_per_gpu"] == 78.42 and out["kv_bytes_per_token"] == 1000
+    assert out["host_kv_cache_tokens_per_gpu"] > 84_000_000
+    result = run_cli("plan", "--compare", "--kv-bytes-per-token", "0")
+    assert result.returncode == 2 and "--kv-bytes-per-token: is 0" in result.stderr
