@@ -6,7 +6,9 @@ Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 
   (its GB200 path) and `vllm_ms` is the faster of the two;
 - `kernel`: engram-ray's kernel alone, `engram_lookup(ids, into=out)` on contiguous ids;
 - `patch`: `engram_ray.table_lookup.TableLookup`, the function the DeepSeek patch calls, on
-  int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer.
+  int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer;
+  host tables in the layout the patch allocates (`HOST_TABLE_LAYOUT`: vLLM's split layout,
+  its own pinned copy; `kernel` reads the packed one).
 Modes: `gpu` (device events per launch, launches queued behind a sleep kernel, L2 flushed),
 `eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock;
 both taking samples callable by callable in turn; median, p10 and p90 kept);
@@ -35,6 +37,7 @@ from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
 from engram_ray.table_lookup import TableLookup  # noqa: E402
 from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
 from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
+from engram_ray.kernels.lookup_policy import HOST_TABLE_LAYOUT  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
                            fill_random, num_id_sets, stats, time_launches)
 
@@ -55,10 +58,24 @@ def avoid_zero_scales(packed: torch.Tensor, chunk_rows: int = 1 << 22) -> None:
         packed[start:start + chunk_rows, HEAD_DIM:].clamp_(min=1)
 
 
+def split_host_copy(packed_gpu: torch.Tensor, use_thp: bool = False,
+                    chunk_rows: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of `packed_gpu` in a pinned split host table
+    (engram_ray.host_memory.allocate_split_host_table), copied in chunks."""
+    from engram_ray.host_memory import allocate_split_host_table
+    values, scales = allocate_split_host_table(packed_gpu.shape[0], HEAD_DIM, use_thp=use_thp)
+    for first in range(0, packed_gpu.shape[0], chunk_rows):
+        rows = packed_gpu[first:first + chunk_rows]
+        values[first:first + chunk_rows].copy_(rows[:, :HEAD_DIM])
+        scales[first:first + chunk_rows].copy_(rows[:, HEAD_DIM:])
+    return values, scales
+
+
 class Case:
     """One placement's tables (ours packed, vLLM's layout) and the callables over them."""
 
-    def __init__(self, placement: str, packed_gpu: torch.Tensor, vllm_kernel, num_sms: int):
+    def __init__(self, placement: str, packed_gpu: torch.Tensor, vllm_kernel, num_sms: int,
+                 host_table_layout: str = HOST_TABLE_LAYOUT):
         self.placement = placement
         if placement == "peer":
             half = packed_gpu.shape[0] // 4 * 2  # even: slices start 16-byte aligned
@@ -75,8 +92,12 @@ class Case:
                 table.copy_(packed_gpu)
             self.source = dict(table=table)
             self.num_rows = packed_gpu.shape[0]
+        # the patch's table as the DeepSeek patch allocates it (host: HOST_TABLE_LAYOUT)
+        self.patch_source = self.source
+        if placement == "host" and host_table_layout == "split":
+            self.patch_source = dict(zip(("table", "scales"), split_host_copy(packed_gpu)))
         self.vllm = vllm_engram_ref.VllmTable(vllm_kernel, parts, HEAD_DIM, placement, num_sms)
-        self.patch = TableLookup(HEAD_DIM, **self.source)
+        self.patch = TableLookup(HEAD_DIM, **self.patch_source)
         self.contiguous: dict[int, torch.Tensor] = {}
         torch.cuda.synchronize()
 
@@ -253,7 +274,7 @@ def run(args) -> dict:
     cases, host = [], []
     for placement in ("hbm", "peer", "host"):
         source = packed if placement != "host" else packed[:args.host_gib * GIB // ROW_BYTES]
-        case = Case(placement, source, kernel, num_sms)
+        case = Case(placement, source, kernel, num_sms, args.host_table_layout)
         for out_kind in ("bf16", "packed"):
             for num_tokens in tokens:
                 id_sets = case.ids_for(case.id_sets(num_tokens, seed=num_tokens))
@@ -267,7 +288,7 @@ def run(args) -> dict:
                 if num_tokens in (64, 2731, 65536):
                     if placement == "host":
                         fns["patch_unfused"] = LookupLauncher(
-                            head_dim=HEAD_DIM, fuse_graphs=False, **case.source)
+                            head_dim=HEAD_DIM, fuse_graphs=False, **case.patch_source)
                     host.append(dict(placement=placement, out=out_kind,
                                      rows=num_tokens * NUM_COLS,
                                      **host_us(fns, id_sets, out)))
@@ -287,6 +308,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 sizes")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--history", help="results/model_lookup/ folder (latest.md, history)")
+    parser.add_argument("--host-table-layout", choices=("packed", "split"),
+                        default=HOST_TABLE_LAYOUT, help="the patch's host table layout "
+                        "(default: the policy's, as the DeepSeek patch allocates it)")
     args = parser.parse_args()
     result = run(args)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -80,14 +80,16 @@ def finish(cases: list[dict], host: list[dict], args) -> dict:
                 commit=args.commit, torch=torch.__version__,
                 triton=subprocess.run(["python3", "-c", "import triton; print(triton.__version__)"],
                                       capture_output=True, text=True).stdout.strip(),
-                hbm_gib=args.hbm_gib, host_gib=args.host_gib, budget_s=args.budget_s)
+                hbm_gib=args.hbm_gib, host_gib=args.host_gib, budget_s=args.budget_s,
+                host_table_layout=getattr(args, "host_table_layout", "packed"))
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Engram lookup as the model calls it vs vLLM 0.33 ({result['device']})", "",
              f"{result['date']}, commit {result['commit']}, torch {result['torch']}, Triton "
              f"{result['triton']}; tables: HBM and peer {result['hbm_gib']} GiB (peer: two "
-             f"slices on one GPU), pinned host {result['host_gib']} GiB; 24 columns per token, "
+             f"slices on one GPU), pinned host {result['host_gib']} GiB (the patch's in the "
+             f"{result.get('host_table_layout', 'packed')} layout); 24 columns per token, "
              "uniform random ids. Medians in ms; `x` = vLLM / patch. Host tables: vLLM = "
              "faster of unsorted / sorted (both in the JSON). gpu = device events, launches "
              "queued; eager = one call + sync (host clock); graph = CUDA-graph replay + sync.",

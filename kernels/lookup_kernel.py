@@ -35,9 +35,12 @@ def _engram_lookup_kernel(
     SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = loads cut at a sector / line
     NUM_STAGES: tl.constexpr = 0,    # > 1: tiles in flight through cp.async (not with PREFETCH)
     IDS_COLS: tl.constexpr = 0,      # > 0: ids are [T, IDS_COLS] with a token stride (a view)
+    TABLE_LAYOUT: tl.constexpr = 0,  # tables: 0 packed, 1 split (rows_per_rank = scales offset),
+                                     # 2 pages (lookup_tiles.load_tile); not with SPLIT_WORDS
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
+    tl.static_assert(SPLIT_WORDS == 0 or TABLE_LAYOUT == 0)
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
     if SPLIT_WORDS:
@@ -68,13 +71,13 @@ def _engram_lookup_kernel(
         dst, in_range, values, word = load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
             BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32, ids_stride,
-            IDS_COLS)
+            IDS_COLS, TABLE_LAYOUT)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
             next_dst, next_in_range, next_values, next_word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
                 BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32, ids_stride,
-            IDS_COLS)
+            IDS_COLS, TABLE_LAYOUT)
             store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
                        STORE_CACHE)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
@@ -83,6 +86,6 @@ def _engram_lookup_kernel(
             dst, in_range, values, word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
                 BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32, ids_stride,
-            IDS_COLS)
+            IDS_COLS, TABLE_LAYOUT)
             store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
                        STORE_CACHE)

@@ -115,6 +115,11 @@ SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
 # ~a dozen nodes; alone 0.035-0.143 vs 0.068-0.154 ms GPU at 65K-1.57M rows, whole sorted
 # lookups within run-to-run noise of each other, results/lookup_order_h200_a404965.md).
 ORDER_BY = {"hbm": "sort", "peer": "sort", "host": "blocks", "host_thp": "blocks"}
+# Pinned host tables' layout as the DeepSeek patch allocates them (engram_ray.host_memory):
+# "packed" rows or vLLM's own "split" layout (values [rows, 256] + scales [rows, 8], read by
+# the kernel's TABLE_LAYOUT 1: 16-byte value loads, no row across a 4 KiB page, the scales of
+# neighbouring sorted rows sharing sectors). Measured: benchmarks/lookup_host_layout_study.py.
+HOST_TABLE_LAYOUT = "split"
 # Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
 # were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264
