@@ -96,3 +96,26 @@ def test_vllm_takes_the_argument_as_native_cpu_offloading(tmp_path):
     transfer = config.kv_transfer_config
     assert transfer.kv_connector == "OffloadingConnector" and transfer.kv_role == "kv_both"
     assert transfer.kv_connector_extra_config["cpu_bytes_to_use"] == 0.25 * GIB
+
+
+def test_the_deepseek_serve_yaml_with_auto_reaches_ray_serve_llms_engine_kwargs():
+    """The project's DeepSeek-V4.1-Flash Serve YAML (DEP2, peer groups of 8) with `auto`:
+    checked as `engram-ray check` does, and in the `LLMConfig` every group's engines get;
+    the local CPU YAML (shm tables, in host memory) is refused by name."""
+    import copy
+    from pathlib import Path
+
+    from engram_ray.grouping import Domain, PeerGroupPlan
+    from engram_ray.serve import llm_config
+    from engram_ray.serving.cluster_configs import check_serve_config, read_yaml
+
+    configs = Path(__file__).resolve().parents[2] / "cluster_configs"
+    data = copy.deepcopy(read_yaml(configs / "serve_deepseek_v41_flash.yaml"))
+    data["applications"][0]["args"]["serving"]["host_kv_cache_gib"] = "auto"
+    (checked,) = check_serve_config(data, "flash.yaml").values()
+    group = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
+    assert llm_config(checked, group).engine_kwargs[KV_OFFLOADING_ARG] == 78.41
+    local = copy.deepcopy(read_yaml(configs / "serve_local_tiny.yaml"))
+    local["applications"][0]["args"]["serving"]["host_kv_cache_gib"] = 1
+    with pytest.raises(ConfigError, match="table_backend is 'shm'"):
+        check_serve_config(local, "local.yaml")
