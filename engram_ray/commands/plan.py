@@ -80,6 +80,10 @@ def run(args) -> int:
     config, source = load_model_config(args.model)
     args.layout = EngramLayout.from_config(config, source)
     plans = [_plan(args)] + ([_plan(args, args.compare)] if args.compare else [])
+    if args.host_reserve_gib < 0:
+        from engram_ray.errors import ConfigError
+        raise ConfigError("--host-reserve-gib", f"is {args.host_reserve_gib:g}",
+                          "a number of GiB >= 0")
     host_kv = (host_kv_budget(plans[0], plans[1], args.host_reserve_gib,
                               _token_bytes(args, config, source)) if args.compare else None)
     if args.json:

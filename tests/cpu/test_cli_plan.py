@@ -187,3 +187,5 @@ def test_compare_json_has_the_host_kv_cache():
     assert out["host_kv_cache_tokens_per_gpu"] > 84_000_000
     result = run_cli("plan", "--compare", "--kv-bytes-per-token", "0")
     assert result.returncode == 2 and "--kv-bytes-per-token: is 0" in result.stderr
+    result = run_cli("plan", "--compare", "--host-reserve-gib", "-1")
+    assert result.returncode == 2 and "--host-reserve-gib: is -1" in result.stderr
