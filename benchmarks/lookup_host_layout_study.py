@@ -5,20 +5,25 @@ Tables (8 GiB each, the same random rows): engram-ray's packed 264-byte rows and
 layout (values `[rows, 256]` + scales `[rows, 8]`), each on ordinary pinned pages (torch
 `pin_memory`, cudaHostAlloc) and on transparent huge pages (mmap + MADV_HUGEPAGE + prefault +
 cudaHostRegister, engram_ray.host_memory; the machine's THP mode is read, never changed), and
-packed rows on a 272-byte stride, 15 per 4 KiB page (`pages`: no row crosses a page).
+packed rows 15 per 4 KiB page (`pages`: no row crosses a page; the layout is lookup_tiles'
+TABLE_LAYOUT 2, at df6c8be on a 272-byte stride with 16-byte loads, since on 264).
 Variants (`LookupLauncher`, int32 hashes as a column slice of `[T, 2, 24]`, fused graphs):
 - `vllm_sorted` (and `vllm_sorted_again`, the same launch timed twice: the noise), its sorted
   launch on its split table; `vllm_sorted_thp` the same on huge pages;
-- `dense`: today's patch path (packed rows, small pages, the policy); `dense_thp` packed rows on
-  huge pages with the small-page launch; `dense_sort`: ordered by row (torch.sort), not block;
+- `dense`: today's patch path (packed rows, small pages, the policy); `dense_vgrid` with vLLM's
+  grid (16-row tiles, 1 program per SM, 2 warps); `dense_thp` packed rows on huge pages with
+  the small-page launch; `dense_sort`: ordered by row (torch.sort), not block;
 - `split` / `split_thp` / `split_sort`: the kernel on vLLM's split table (vLLM's own memory) /
-  on huge pages / ordered by row; `split_vgrid`: 16-row tiles, 1 program per SM, 2 warps;
+  on huge pages / ordered by row; `split_vgrid`: vLLM's grid (TABLE_LAYOUT 1: at df6c8be
+  values loaded as [R, 8, 32] 16-byte vectors, since as [R, 256] 8-byte ones);
 - `pages`: packed rows that never cross a page;
 - unsorted (`*_unsorted`, up to 262K rows): the page-size question without ordering.
+`--full` adds the huge-page tables, the by-row orderings and the unsorted launches.
 GPU ms: device events, launches queued, L2 flushed, 3 rounds taking turns; bitwise equality
 with vLLM's output per (rows, out). THP share of each huge-page table from /proc/self/smaps.
 
 Usage: python benchmarks/lookup_host_layout_study.py --json R.json --md R.md [--commit C]
+           [--full] [--quick]
        python benchmarks/lookup_host_layout_study.py --decide R.json  (prints split / packed)
 """
 
@@ -62,7 +67,7 @@ def host_launch(rows: int) -> dict:
 class Tables:
     """Every table of the study, filled from one random packed table on the GPU."""
 
-    def __init__(self, gib: int, kernel, num_sms: int):
+    def __init__(self, gib: int, kernel, num_sms: int, thp: bool = True):
         start = time.perf_counter()
         rows = gib * GIB // ROW_BYTES
         per_page, stride = page_rows(ROW_BYTES)
@@ -74,29 +79,31 @@ class Tables:
         self.timings = {}
         self.dense = self._packed_copy(packed, use_thp=False)
         self._lap("dense", start)
-        self.dense_thp = self._packed_copy(packed, use_thp=True)
-        self._lap("dense_thp", start)
         self.vllm = vllm_engram_ref.VllmTable(kernel, [packed], HEAD_DIM, "host", num_sms)
         self._lap("vllm", start)
-        values, scales = bench.split_host_copy(packed, use_thp=True)
-        self.vllm_thp = vllm_engram_ref.VllmTable.__new__(vllm_engram_ref.VllmTable)
-        self.vllm_thp.__dict__.update(self.vllm.__dict__, weight=values.view(
-            torch.float8_e4m3fn), scales=scales)
-        self._lap("split_thp", start)
+        self.thp_share = {}
+        if thp:
+            self.dense_thp = self._packed_copy(packed, use_thp=True)
+            self._lap("dense_thp", start)
+            values, scales = bench.split_host_copy(packed, use_thp=True)
+            self.vllm_thp = vllm_engram_ref.VllmTable.__new__(vllm_engram_ref.VllmTable)
+            self.vllm_thp.__dict__.update(self.vllm.__dict__, weight=values.view(
+                torch.float8_e4m3fn), scales=scales)
+            self._lap("split_thp", start)
+            self.thp_share = {name: huge_page_bytes(t) / t.nbytes
+                              for name, t in (("dense_thp", self.dense_thp),
+                                              ("split_thp", values))}
         pages = rows // per_page
         self.pages = allocate_host_table(pages * 4096).view(pages, 4096)
         staging = torch.zeros(CHUNK // per_page, 4096, dtype=torch.uint8, device="cuda:0")
         for first in range(0, pages, staging.shape[0]):
             count = min(staging.shape[0], pages - first)
             slots = staging[:count, :per_page * stride].view(count, per_page, stride)
-            slots[:, :, :ROW_BYTES].copy_(
+            slots.copy_(
                 packed[first * per_page:(first + count) * per_page].view(count, per_page,
                                                                           ROW_BYTES))
             self.pages[first:first + count].copy_(staging[:count])
         self._lap("pages", start)
-        self.thp_share = {name: huge_page_bytes(t) / t.nbytes
-                          for name, t in (("dense_thp", self.dense_thp),
-                                          ("split_thp", values))}
         del packed, staging
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -120,24 +127,31 @@ class Tables:
                 for _ in range(bench.num_id_sets(tokens * NUM_COLS))]
 
 
-def variants(t: Tables, rows: int) -> dict:
+VGRID = dict(block_rows=16, programs_per_sm=1, num_warps=2, prefetch=True)  # vLLM's grid
+
+
+def variants(t: Tables, rows: int, full: bool) -> dict:
     same = host_launch(rows)
     split = dict(table=t.vllm.weight, scales=t.vllm.scales)
-    split_thp = dict(table=t.vllm_thp.weight, scales=t.vllm_thp.scales)
     fns = {
         "vllm_sorted": lambda h, o: t.vllm.lookup(h, o, sort=True),
         "vllm_sorted_again": lambda h, o: t.vllm.lookup(h, o, sort=True),
-        "vllm_sorted_thp": lambda h, o: t.vllm_thp.lookup(h, o, sort=True),
         "dense": LookupLauncher(head_dim=HEAD_DIM, table=t.dense),
-        "dense_thp": LookupLauncher(head_dim=HEAD_DIM, table=t.dense_thp, **same),
-        "dense_sort": LookupLauncher(head_dim=HEAD_DIM, table=t.dense, order="sort"),
+        "dense_vgrid": LookupLauncher(head_dim=HEAD_DIM, table=t.dense, **VGRID),
         "split": LookupLauncher(head_dim=HEAD_DIM, **split),
-        "split_thp": LookupLauncher(head_dim=HEAD_DIM, **split_thp, **same),
-        "split_sort": LookupLauncher(head_dim=HEAD_DIM, **split, order="sort"),
-        "split_vgrid": LookupLauncher(head_dim=HEAD_DIM, **split, block_rows=16,
-                                      programs_per_sm=1, num_warps=2, prefetch=True),
+        "split_vgrid": LookupLauncher(head_dim=HEAD_DIM, **split, **VGRID),
         "pages": LookupLauncher(head_dim=HEAD_DIM, table=t.pages, layout="pages"),
     }
+    if not full:
+        return fns
+    split_thp = dict(table=t.vllm_thp.weight, scales=t.vllm_thp.scales)
+    fns.update({
+        "vllm_sorted_thp": lambda h, o: t.vllm_thp.lookup(h, o, sort=True),
+        "dense_thp": LookupLauncher(head_dim=HEAD_DIM, table=t.dense_thp, **same),
+        "dense_sort": LookupLauncher(head_dim=HEAD_DIM, table=t.dense, order="sort"),
+        "split_thp": LookupLauncher(head_dim=HEAD_DIM, **split_thp, **same),
+        "split_sort": LookupLauncher(head_dim=HEAD_DIM, **split, order="sort"),
+    })
     if rows <= UNSORTED_MAX_TOKENS * NUM_COLS:
         unsorted = dict(same, sort_rows=False)
         fns.update(
@@ -191,13 +205,13 @@ def run(args) -> dict:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
         thp_mode = mode.read().strip()
-    tables = Tables(args.host_gib, vllm_engram_ref.load_kernel(), num_sms)
+    tables = Tables(args.host_gib, vllm_engram_ref.load_kernel(), num_sms, thp=args.full)
     print(f"THP mode {thp_mode}; huge-page share {tables.thp_share}", flush=True)
     rows_found = []
     tokens_list = TOKENS[-2:] if args.quick else TOKENS
     for out_kind in ("packed", "bf16"):
         for tokens in tokens_list:
-            fns = variants(tables, tokens * NUM_COLS)
+            fns = variants(tables, tokens * NUM_COLS, args.full)
             id_sets = tables.id_sets(tokens, seed=tokens)
             out = torch.empty(tokens, NUM_COLS, bench.WIDTH[out_kind],
                               dtype=bench.DTYPE[out_kind], device="cuda:0")
@@ -268,6 +282,8 @@ def main() -> None:
     parser.add_argument("--host-gib", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=0.15)
     parser.add_argument("--quick", action="store_true", help="1M and 1.57M rows only")
+    parser.add_argument("--full", action="store_true", help="also huge-page tables, "
+                        "ordering by row and unsorted launches (the df6c8be run)")
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
     result = run(args)

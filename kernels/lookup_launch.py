@@ -37,7 +37,7 @@ from engram_ray.reference import row_bytes_for
 
 OUT_DTYPES = {torch.uint8: "packed", torch.bfloat16: "bf16"}
 # Table layouts (the kernel's TABLE_LAYOUT): packed rows, split values + scales (vLLM's own),
-# packed rows on a 16-byte stride that never crosses a 4 KiB page (lookup_tiles.load_tile).
+# packed rows none of which crosses a 4 KiB page (lookup_tiles.load_tile).
 TABLE_LAYOUTS = {"packed": 0, "split": 1, "pages": 2}
 PAGE_BYTES = 4096
 MAX_ROWS_PER_LAUNCH = 1 << 30
@@ -90,9 +90,9 @@ def check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted=False
 
 
 def page_rows(row_bytes: int) -> tuple[int, int]:
-    """(rows per 4 KiB page, row stride) of the "pages" layout: rows on a 16-byte stride."""
-    stride = -(-row_bytes // 16) * 16
-    return PAGE_BYTES // stride, stride
+    """(rows per 4 KiB page, row stride) of the "pages" layout: packed rows, the page's tail
+    left over."""
+    return PAGE_BYTES // row_bytes, row_bytes
 
 
 def check_layout(head_dim: int, layout: str, table: torch.Tensor | None,
@@ -114,9 +114,9 @@ def check_layout(head_dim: int, layout: str, table: torch.Tensor | None,
         if scales is not None:
             raise ValueError("layout 'pages' takes no scales=")
         if (table.dtype != torch.uint8 or table.dim() != 2 or table.shape[1] != PAGE_BYTES
-                or not table.is_contiguous() or table.data_ptr() % 16):
+                or not table.is_contiguous() or table.data_ptr() % 8):
             raise ValueError(f"table is {table.dtype} {tuple(table.shape)}; layout 'pages' "
-                             f"expects contiguous uint8 [pages, {PAGE_BYTES}], 16-byte aligned")
+                             f"expects contiguous uint8 [pages, {PAGE_BYTES}], 8-byte aligned")
         if table.shape[0] * page_rows(row_bytes_for(head_dim))[0] >= 2**31:
             raise ValueError("layout 'pages' holds fewer than 2^31 rows")
         return

@@ -28,9 +28,10 @@ def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
     """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word).
     TABLE_LAYOUT (tables, not peer slices): 0 = packed rows `[rows, ROW_BYTES]`; 1 = split,
     vLLM's own layout: values `[rows, HEAD_DIM]` at `src` (16-byte aligned), scales
-    `[rows, NUM_SCALES]` at `src + rows_per_rank` (a byte offset, any sign); 2 = pages: packed
-    rows at a 16-byte stride, as many per 4 KiB page as fit (head_dim 256: 15 of 272 bytes),
-    so that no row crosses a page."""
+    `[rows, NUM_SCALES]` at `src + rows_per_rank` (a byte offset, any sign), values loaded as
+    `[BLOCK_R, HEAD_DIM]` (a `[BLOCK_R, NUM_SCALES, 32]` load of 16-byte vectors was 2x slower
+    from host memory, results/lookup_host_layout_h200_df6c8be.md); 2 = pages: packed rows,
+    as many per 4 KiB page as fit (head_dim 256: 15), so that no row crosses a page."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
@@ -48,28 +49,32 @@ def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
             owner = row // rows_per_rank
         base = tl.load(src + owner, mask=has_row, other=0)
         row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
-        row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
-        word_ptr = row_ptr + HEAD_DIM
     elif TABLE_LAYOUT == 1:
-        row_ptr = tl.multiple_of(src + row * HEAD_DIM, 16)
-        word_ptr = src + rows_per_rank + row * NUM_SCALES
+        row_ptr = src + row * HEAD_DIM
     elif TABLE_LAYOUT == 2:
-        PAGE_STRIDE: tl.constexpr = (ROW_BYTES + 15) // 16 * 16
-        PAGE_ROWS: tl.constexpr = 4096 // PAGE_STRIDE
+        PAGE_ROWS: tl.constexpr = 4096 // ROW_BYTES
         row_32 = row.to(tl.int32)  # table rows < 2^31 (the launcher checks)
-        page = (row_32 // PAGE_ROWS).to(tl.int64)
-        row_ptr = src + page * 4096 + (row_32 - page.to(tl.int32) * PAGE_ROWS).to(
-            tl.int64) * PAGE_STRIDE
-        row_ptr = tl.multiple_of(row_ptr, 16)
-        word_ptr = row_ptr + HEAD_DIM
+        page = row_32 // PAGE_ROWS
+        row_ptr = src + page.to(tl.int64) * 4096 + (row_32 - page * PAGE_ROWS).to(
+            tl.int64) * ROW_BYTES
     else:
-        row_ptr = tl.multiple_of(src + row * ROW_BYTES, ROW_ALIGN)
-        word_ptr = row_ptr + HEAD_DIM
+        row_ptr = src + row * ROW_BYTES
+    row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
-    values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0,
-                     cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-    word = tl.load(word_ptr.to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0,
-                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    if TABLE_LAYOUT == 1:
+        # rows as vLLM tiles them, [BLOCK_R, HEAD_DIM] (ROW_ALIGN-byte vectors), regrouped
+        flat = tl.load(row_ptr[:, None] + tl.arange(0, HEAD_DIM)[None, :],
+                       mask=has_row[:, None], other=0, cache_modifier=LOAD_CACHE,
+                       eviction_policy=LOAD_EVICT)
+        values = tl.reshape(flat, (BLOCK_R, NUM_SCALES, 32))
+        word = tl.load((src + rows_per_rank + row * NUM_SCALES).to(
+            tl.pointer_type(SCALE_WORD)), mask=has_row, other=0, cache_modifier=LOAD_CACHE,
+            eviction_policy=LOAD_EVICT)
+    else:
+        values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0,
+                         cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+        word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row,
+                       other=0, cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
     return dst, in_range, values, word
 
 
