@@ -116,10 +116,16 @@ SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
 # lookups within run-to-run noise of each other, results/lookup_order_h200_a404965.md).
 ORDER_BY = {"hbm": "sort", "peer": "sort", "host": "blocks", "host_thp": "blocks"}
 # Pinned host tables' layout as the DeepSeek patch allocates them (engram_ray.host_memory):
-# "packed" rows or vLLM's own "split" layout (values [rows, 256] + scales [rows, 8], read by
-# the kernel's TABLE_LAYOUT 1: 16-byte value loads, no row across a 4 KiB page, the scales of
-# neighbouring sorted rows sharing sectors). Measured: benchmarks/lookup_host_layout_study.py.
-HOST_TABLE_LAYOUT = "split"
+# "packed" rows or vLLM's own "split" layout (values [rows, 256] + scales [rows, 8], the
+# kernel's TABLE_LAYOUT 1). Measured against vLLM 0.33's sorted launch in one run each
+# (benchmarks/lookup_host_layout_study.py, one H200, results/lookup_host_layout_h200_*.md):
+# split values loaded as [R, 256] 8-byte vectors (ffd7124) were 0.6-1.3% faster than packed
+# rows from 1M rows (1.57M packed: 9.239 vs 9.367 ms; vLLM 9.215) and equal at 262K, but 16-18%
+# slower at 65K (16-row tiles: 1.776 vs 1.498; vLLM 1.585); as [R, 8, 32] 16-byte vectors
+# (df6c8be) 2x slower from 262K. Packed rows 15 per 4 KiB page (no row across a page): 1.3x
+# slower from 1M rows (8-byte loads, ffd7124). Huge pages (THP, 100% backed): no change
+# for either kernel (df6c8be). So host tables stay packed.
+HOST_TABLE_LAYOUT = "packed"
 # Rows wider than MAX_TILE_BYTES / 128 get smaller large tiles (2 KiB rows in 128-row tiles
 # were 4.7x slower than 16-row tiles: register pressure).
 MAX_TILE_BYTES = 128 * 264

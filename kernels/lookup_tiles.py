@@ -31,7 +31,8 @@ def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
     `[rows, NUM_SCALES]` at `src + rows_per_rank` (a byte offset, any sign), values loaded as
     `[BLOCK_R, HEAD_DIM]` (a `[BLOCK_R, NUM_SCALES, 32]` load of 16-byte vectors was 2x slower
     from host memory, results/lookup_host_layout_h200_df6c8be.md); 2 = pages: packed rows,
-    as many per 4 KiB page as fit (head_dim 256: 15), so that no row crosses a page."""
+    as many per 4 KiB page as fit (head_dim 256: 15), so that no row crosses a page. Neither
+    is what the model allocates (lookup_policy.HOST_TABLE_LAYOUT says why)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
