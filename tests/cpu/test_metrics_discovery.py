@@ -320,3 +320,19 @@ def test_cluster_label_names_are_checked_and_replace_the_files():
     for bad in ("", "  ", None):
         with pytest.raises(EngramRayError, match="cluster: is"):
             with_cluster(base, bad)
+
+
+def test_dashboards_export_cluster_option(tmp_path, capsys):
+    """`engram-ray dashboards export --cluster NAME` (what the ray up heads run) labels both jobs
+    NAME; a blank NAME is one line and exit 2."""
+    import yaml
+
+    from engram_ray.cli import main
+
+    assert main(["dashboards", "export", str(tmp_path / "obs"), "--cluster", "rack-7"]) == 0
+    config = yaml.safe_load((tmp_path / "obs/prometheus/prometheus.yml").read_text())
+    assert [j["relabel_configs"] for j in config["scrape_configs"]] == [
+        [{"target_label": "cluster", "replacement": "rack-7"}]] * 2
+    assert config["rule_files"] == ["engram_alerts.yml"]
+    assert main(["dashboards", "export", str(tmp_path / "other"), "--cluster", ""]) == 2
+    assert "cluster: is ''" in capsys.readouterr().err
