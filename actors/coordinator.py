@@ -4,7 +4,7 @@
 Serve's gang scheduling owns what this actor did before: placing a group (one gang per group,
 `actors/placement.py`), ranks and world size (`gang_context`), noticing a dead member and
 restarting the group as one (RESTART_GANG). What is left is here, held for every group of the
-application (`engram_ray.generations.GenerationBook`): the generation of each group (a new gang
+application (`engram_ray.planning.generations.GenerationBook`): the generation of each group (a new gang
 id opens one: fresh FileStore folder, old one removed), each member's slices, and the list of
 every engine's /metrics for Prometheus: written as a file_sd list on the head node
 (`serving.prometheus_targets_file`, for `ray up`), served as Prometheus HTTP service discovery
@@ -17,7 +17,7 @@ dead (`report_broken`) or stops (`leave`), or when this actor's watch finds its 
 dead (pinged every WATCH_PERIOD_S): the ingress stops sending the group requests within a
 fraction of a second, long before Serve's health checks restart the gang.
 
-Created by `engram_ray.serve.build_app` before the engines (detached: a `serve deploy` build
+Created by `engram_ray.serve.app.build_app` before the engines (detached: a `serve deploy` build
 task ends, the application stays). One left by an earlier deployment of the same name is reused
 when it was made with the same settings and groups, replaced when it differs and has no
 members, refused (with what to do) when it differs and still has members.
@@ -32,7 +32,7 @@ import time
 import ray
 
 from engram_ray.errors import EngramRayError
-from engram_ray.serving.exposition import TargetsServer, target_groups, write_file_sd
+from engram_ray.metrics.exposition import TargetsServer, target_groups, write_file_sd
 
 logger = logging.getLogger(__name__)
 WATCH_PERIOD_S = 0.2     # how often every ready member's replica actor is pinged
@@ -45,9 +45,9 @@ def coordinator_name(deployment_name: str) -> str:
 @ray.remote(num_cpus=0, max_concurrency=16)
 class Coordinator:
     def __init__(self, app_config_dict: dict, domains: dict[str, str]):
-        from engram_ray.generations import GenerationBook
-        from engram_ray.layout import load_layout
-        from engram_ray.serving.config import ServeAppConfig
+        from engram_ray.planning.generations import GenerationBook
+        from engram_ray.model.layout import load_layout
+        from engram_ray.serve.config import ServeAppConfig
 
         self.made_with = (app_config_dict, domains)
         config = ServeAppConfig.from_dict(app_config_dict, "coordinator")

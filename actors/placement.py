@@ -18,7 +18,7 @@ import time
 import ray
 
 from engram_ray.config import DeploymentConfig
-from engram_ray.grouping import (Domain, NodeSlots, PeerGroupPlan, PlacementError, domain_summary,
+from engram_ray.planning.grouping import (Domain, NodeSlots, PeerGroupPlan, PlacementError, domain_summary,
                                  domains_of, place_groups)
 
 def slot_resource(config: DeploymentConfig) -> tuple[str, float]:
@@ -41,7 +41,7 @@ def own_reservations(config: DeploymentConfig, resource: str) -> dict[str, float
     running application may plan with them: Serve replaces those gangs)."""
     from ray.serve._private.common import GANG_PG_NAME_PREFIX
 
-    marker = f":{config.name}:group-"  # in every engine deployment's name (engram_ray.serve)
+    marker = f":{config.name}:group-"  # in every engine deployment's name (engram_ray.serve.app)
     held: dict[str, float] = {}
     for pg in ray.util.placement_group_table().values():
         if pg.get("state") != "CREATED" or not pg.get("name", "").startswith(GANG_PG_NAME_PREFIX) \

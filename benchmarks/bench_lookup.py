@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import add_results_argument, environment, write_results  # noqa: E402
-from engram_ray.host_memory import huge_page_bytes  # noqa: E402
+from engram_ray.tables.backends.host_memory import huge_page_bytes  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
 from engram_ray.kernels import lookup_tuning  # noqa: E402
-from engram_ray.reference import dequantize_rows  # noqa: E402
+from engram_ray.model.reference import dequantize_rows  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, Table,  # noqa: E402
                            copy_ceilings, stats, time_launches)
 

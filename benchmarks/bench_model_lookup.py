@@ -5,7 +5,7 @@ Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 
   does (benchmarks/vllm_engram_ref.py; its own table layout); host tables also `vllm_sorted`
   (its GB200 path) and `vllm_ms` is the faster of the two;
 - `kernel`: engram-ray's kernel alone, `engram_lookup(ids, into=out)` on contiguous ids;
-- `patch`: `engram_ray.table_lookup.TableLookup`, the function the DeepSeek patch calls, on
+- `patch`: `engram_ray.tables.lookup.TableLookup`, the function the DeepSeek patch calls, on
   int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer;
   host tables in the layout the patch allocates (`HOST_TABLE_LAYOUT`: vLLM's split layout,
   its own pinned copy; `kernel` reads the packed one).
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import model_lookup_report as report  # noqa: E402
 import vllm_engram_ref  # noqa: E402
 from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
-from engram_ray.table_lookup import TableLookup  # noqa: E402
+from engram_ray.tables.lookup import TableLookup  # noqa: E402
 from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
 from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
 from engram_ray.kernels.lookup_policy import HOST_TABLE_LAYOUT  # noqa: E402
@@ -61,8 +61,8 @@ def avoid_zero_scales(packed: torch.Tensor, chunk_rows: int = 1 << 22) -> None:
 def split_host_copy(packed_gpu: torch.Tensor, use_thp: bool = False,
                     chunk_rows: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, scales) of `packed_gpu` in a pinned split host table
-    (engram_ray.host_memory.allocate_split_host_table), copied in chunks."""
-    from engram_ray.host_memory import allocate_split_host_table
+    (engram_ray.tables.backends.host_memory.allocate_split_host_table), copied in chunks."""
+    from engram_ray.tables.backends.host_memory import allocate_split_host_table
     values, scales = allocate_split_host_table(packed_gpu.shape[0], HEAD_DIM, use_thp=use_thp)
     for first in range(0, packed_gpu.shape[0], chunk_rows):
         rows = packed_gpu[first:first + chunk_rows]
@@ -87,7 +87,7 @@ class Case:
             parts = [packed_gpu]
             table = packed_gpu
             if placement == "host":
-                from engram_ray.host_memory import allocate_host_table
+                from engram_ray.tables.backends.host_memory import allocate_host_table
                 table = allocate_host_table(packed_gpu.numel()).view(-1, ROW_BYTES)
                 table.copy_(packed_gpu)
             self.source = dict(table=table)

@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import RESULTS, environment, write_results  # noqa: E402
-from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
-from engram_ray.peer.local_group import (check_member, expected_rows, file_barrier,  # noqa: E402
+from engram_ray.model.layout import EngramLayout, load_layout  # noqa: E402
+from engram_ray.tables.local_group import (check_member, expected_rows, file_barrier,  # noqa: E402
                                         random_row_ids, run_group)
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
@@ -215,8 +215,8 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
 def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
                budget_s: float, sweep_min_rows: int) -> dict:
     import torch
-    from engram_ray.plan import make_plan
-    from engram_ray.table import PeerGroupSpec, open_group_tables
+    from engram_ray.planning.memory import make_plan
+    from engram_ray.tables.table import PeerGroupSpec, open_group_tables
 
     torch.cuda.set_device(rank)
     free_before = torch.cuda.mem_get_info()[0]

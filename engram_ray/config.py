@@ -146,7 +146,7 @@ class DeploymentConfig(_Section):
         _check_number("num_cpus_per_engine", self.num_cpus_per_engine, minimum=0)
         _check_choice("table_backend", self.table_backend, TABLE_BACKENDS)
         if self.handle_type is not None:
-            from engram_ray.peer.handle_types import HANDLE_TYPES
+            from engram_ray.tables.backends.handle_types import HANDLE_TYPES
             _check_choice("handle_type", self.handle_type, HANDLE_TYPES)
             if self.table_backend != "cuda":
                 raise ConfigError("handle_type", f"is {self.handle_type!r} with table_backend "

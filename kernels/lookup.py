@@ -1,4 +1,4 @@
-"""Engram row lookup: `engram_lookup` (oracle: `engram_ray.reference.lookup_reference`); the
+"""Engram row lookup: `engram_lookup` (oracle: `engram_ray.model.reference.lookup_reference`); the
 Triton kernel is in lookup_kernel.py, its prepared launches (what serving calls) in
 lookup_launch.py.
 
@@ -31,7 +31,7 @@ from engram_ray.kernels.lookup_launch import (  # noqa: F401  (re-exported)
 from engram_ray.kernels.lookup_policy import (  # noqa: F401  (re-exported: the policy API)
     MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, SPLIT_HEAD_DIM, TILE_CONFIGS, TILE_POLICY,
     TileConfig, choose_block_rows, large_block_rows, split_words, tile_config)
-from engram_ray.reference import row_bytes_for
+from engram_ray.model.reference import row_bytes_for
 
 OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}
 
@@ -69,7 +69,7 @@ def _check_row_ids(ids: torch.Tensor, shape: torch.Size, num_table_rows: int) ->
         where = (position // shape[-1], position % shape[-1])
         raise ValueError(f"row_ids[{where[0]}, {where[1]}] is {int(ids[position])}; expected -1 "
                          f"(no row) or a row of the table, 0..{num_table_rows - 1}; ids come "
-                         "from the n-gram hash (engram_ray.hashing): check that the table "
+                         "from the n-gram hash (engram_ray.model.hashing): check that the table "
                          "and the hash use the same layout")
 
 

@@ -28,12 +28,12 @@ import math
 import torch
 import triton
 
-from engram_ray.host_memory import is_huge_page_backed
+from engram_ray.tables.backends.host_memory import is_huge_page_backed
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel
 from engram_ray.kernels.lookup_order import GraphSort, call_key
 from engram_ray.kernels.lookup_policy import (ORDER_BY, SORT_MIN_ROWS, TILE_POLICY,
                                               choose_block_rows, split_words, tile_config)
-from engram_ray.reference import row_bytes_for
+from engram_ray.model.reference import row_bytes_for
 
 OUT_DTYPES = {torch.uint8: "packed", torch.bfloat16: "bf16"}
 # Table layouts (the kernel's TABLE_LAYOUT): packed rows, split values + scales (vLLM's own),
@@ -65,7 +65,7 @@ def check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted=False
         # 132-byte rows as narrower ones; the scale word is as wide as the row's alignment.
         raise ValueError(f"head_dim is {head_dim}; the kernel supports "
                          f"{sorted(32 * n for n in SCALE_WORDS)}; use "
-                         "engram_ray.reference.lookup_reference otherwise")
+                         "engram_ray.model.reference.lookup_reference otherwise")
     if (table is None) == (peer_bases is None):
         raise ValueError("pass exactly one of table= (packed [rows, row_bytes]) or "
                          "peer_bases= (int64 CUDA [P] slice addresses) with rows_per_rank=")
@@ -78,7 +78,7 @@ def check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted=False
                              f"{row_bytes_for(head_dim)} for head_dim {head_dim}")
         if not (table.is_cuda or table.is_pinned() or is_interpreted):
             raise ValueError("table is in pageable host memory; expected a CUDA tensor or "
-                             "pinned host memory (engram_ray.host_memory.allocate_host_table)")
+                             "pinned host memory (engram_ray.tables.backends.host_memory.allocate_host_table)")
     else:
         if (peer_bases.dtype != torch.int64 or peer_bases.dim() != 1
                 or not (peer_bases.is_cuda or is_interpreted)):

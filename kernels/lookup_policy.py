@@ -115,7 +115,7 @@ SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
 # ~a dozen nodes; alone 0.035-0.143 vs 0.068-0.154 ms GPU at 65K-1.57M rows, whole sorted
 # lookups within run-to-run noise of each other, results/lookup_order_h200_a404965.md).
 ORDER_BY = {"hbm": "sort", "peer": "sort", "host": "blocks", "host_thp": "blocks"}
-# Pinned host tables' layout as the DeepSeek patch allocates them (engram_ray.host_memory):
+# Pinned host tables' layout as the DeepSeek patch allocates them (engram_ray.tables.backends.host_memory):
 # "packed" rows or vLLM's own "split" layout (values [rows, 256] + scales [rows, 8], the
 # kernel's TABLE_LAYOUT 1). Measured against vLLM 0.33's sorted launch in one run each
 # (benchmarks/lookup_host_layout_study.py, one H200, results/lookup_host_layout_h200_*.md):

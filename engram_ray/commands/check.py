@@ -1,9 +1,9 @@
 """`engram-ray check FILE...`: validate deployment files, telling their kind from the content:
 
 - Serve (`serve deploy`) YAML (top-level `applications`): Ray Serve's schema, then every
-  `engram_ray.serve:build_app` application's args through the checks `build_app` makes;
+  `engram_ray.serve.app:build_app` application's args through the checks `build_app` makes;
 - `ray up` cluster YAML (top-level `provider`): Ray's autoscaler schema and what engram-ray needs
-  on the nodes (engram_ray.serving.cluster_configs);
+  on the nodes (engram_ray.serve.cluster_configs);
 - KubeRay manifest (one or more documents, one `kind: RayService`): each RayService's embedded
   `spec.serveConfigV2` through the same Serve checks.
 
@@ -77,7 +77,7 @@ def _apps(apps: dict) -> str:
 
 def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
     """Validate one file; a one-line summary if it passes, else ConfigError naming the field."""
-    from engram_ray.serving.cluster_configs import check_ray_up_config, check_serve_config
+    from engram_ray.serve.cluster_configs import check_ray_up_config, check_serve_config
 
     docs = _documents(path)
     try:
@@ -97,7 +97,7 @@ def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
 def _check_kuberay(path: str, docs: list) -> str:
     import yaml
 
-    from engram_ray.serving.cluster_configs import check_serve_config
+    from engram_ray.serve.cluster_configs import check_serve_config
 
     services = [(i, d) for i, d in enumerate(docs)
                 if isinstance(d, dict) and d.get("kind") == "RayService"]

@@ -78,7 +78,7 @@ def export(out: Path, force: bool = False, prometheus_url: str = "http://localho
     for name in PROMETHEUS_FILES:
         files[f"prometheus/{name}"] = (package / name).read_text()
     if cluster is not None:
-        from engram_ray.serving.prometheus import with_cluster
+        from engram_ray.local.prometheus import with_cluster
 
         config = with_cluster(yaml.safe_load(files["prometheus/prometheus.yml"]), cluster)
         files["prometheus/prometheus.yml"] = (

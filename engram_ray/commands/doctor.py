@@ -29,7 +29,7 @@ class Check:
 
 def configure(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
-    from engram_ray.peer.base import shm_dir
+    from engram_ray.tables.backends.base import shm_dir
     # The shm backend's own folder ($ENGRAM_RAY_SHM_DIR, default /dev/shm), not a fixed path.
     parser.add_argument("--shm-dir", default=shm_dir(),
                         help="shared-memory folder to check (default: $ENGRAM_RAY_SHM_DIR or "
@@ -54,8 +54,8 @@ def host_checks(shm_dir: str) -> list[Check]:
 
 
 def check_cpu() -> Check:
-    """The CPU features vLLM's CPU backend will use (engram_ray.cpu_features)."""
-    from engram_ray.cpu_features import CpuFeatures
+    """The CPU features vLLM's CPU backend will use (engram_ray.vllm.cpu_features)."""
+    from engram_ray.vllm.cpu_features import CpuFeatures
 
     cpu = CpuFeatures.probe()
     status = "warn" if cpu.has_amx and not cpu.is_amx_usable else "info"
@@ -98,13 +98,13 @@ def _has_cap_sys_ptrace() -> bool:
 # The importer is not the exporter's ancestor, as between two engines (under Yama scope 1 an
 # ancestor may always take a child's fds, so the opposite direction would prove nothing).
 _TAKE_PARENT_FD = ("import os, sys\n"
-                   "from engram_ray.peer.pidfd import pidfd_getfd\n"
+                   "from engram_ray.tables.backends.pidfd import pidfd_getfd\n"
                    "try:\n    os.close(pidfd_getfd(os.getppid(), int(sys.argv[1])))\n"
                    "    print('ok')\nexcept Exception as exc:\n    print(exc)\n")
 
 
 def check_pidfd() -> Check:
-    from engram_ray.peer.pidfd import allow_fd_takers, ptrace_scope
+    from engram_ray.tables.backends.pidfd import allow_fd_takers, ptrace_scope
     allow_fd_takers()  # what an exporting engine does
     read_fd, write_fd = os.pipe()
     try:
@@ -143,7 +143,7 @@ def gpu_checks() -> list[Check]:
     names = {torch.cuda.get_device_name(i) for i in range(num_gpus)}
     checks = [Check("GPUs", "ok", f"{num_gpus} x {', '.join(sorted(names))}"), check_peers()]
     try:
-        from engram_ray.peer import cuda_driver as drv
+        from engram_ray.tables.backends import cuda_driver as drv
         drv.use_device(0)
     except Exception as exc:  # noqa: BLE001 - every failure is a finding here
         return checks + [Check("cuda-bindings", "fail", f"{exc}")]

@@ -31,8 +31,8 @@ def configure(parser) -> None:
 def _plan_text(deployment) -> str:
     """DeepSeek-V4.1-Flash's plan (what the split is for) and the tiny group's actual split."""
     from engram_ray.commands.plan import format_plans
-    from engram_ray.layout import load_layout
-    from engram_ray.plan import make_plan
+    from engram_ray.model.layout import load_layout
+    from engram_ray.planning.memory import make_plan
 
     flash = load_layout("deepseek-v4.1-flash")
     text = format_plans("deepseek-v4.1-flash", flash, [
@@ -47,7 +47,7 @@ def _plan_text(deployment) -> str:
 
 
 def run(args) -> int:
-    from engram_ray.serving.local import LocalDeployment, LocalOptions, log
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
 
     # Ctrl-C / `kill -INT` stop it cleanly even when started from a shell that ignores SIGINT
     # (background jobs, nohup), whose SIG_IGN Python would otherwise keep.

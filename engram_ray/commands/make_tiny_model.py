@@ -13,8 +13,8 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from engram_ray.layout import EngramLayout
-    from engram_ray.models.tiny_checkpoint import TinyModelSpec, write_tiny_model
+    from engram_ray.model.layout import EngramLayout
+    from engram_ray.vllm.tiny_checkpoint import TinyModelSpec, write_tiny_model
 
     model_dir = write_tiny_model(args.model_dir, TinyModelSpec(seed=args.seed))
     config = json.loads((model_dir / "config.json").read_text())

@@ -1,6 +1,6 @@
 """`engram-ray node-labels`: this node's Ray labels (its NVLink domain) for `ray start`.
 
-Three ways out, one decision (`engram_ray.topology.decide_domain`):
+Three ways out, one decision (`engram_ray.planning.topology.decide_domain`):
 
     ray start ... --labels "$(engram-ray node-labels)"                 # k=v on stdout
     engram-ray node-labels --labels-file /etc/ray/labels.yaml          # KubeRay init container,
@@ -32,7 +32,7 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from engram_ray.topology import decide_domain, format_labels, probe_node
+    from engram_ray.planning.topology import decide_domain, format_labels, probe_node
 
     decision = decide_domain(probe_node())
     labels = {args.label_key: decision.domain_id}

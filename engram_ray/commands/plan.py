@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from engram_ray.host_kv import HOST_KV_RESERVE_GIB, HostKVBudget, KVTokenBytes
-from engram_ray.host_kv import host_kv_budget, kv_bytes_per_token
-from engram_ray.layout import load_model_config
-from engram_ray.plan import HOST_MODES, PLACEMENTS, MemoryPlan, gib, make_plan
+from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, HostKVBudget, KVTokenBytes
+from engram_ray.planning.host_kv import host_kv_budget, kv_bytes_per_token
+from engram_ray.model.layout import load_model_config
+from engram_ray.planning.memory import HOST_MODES, PLACEMENTS, MemoryPlan, gib, make_plan
 
 HELP = "print the Engram table memory plan (HBM, host, peer-group split) for a model"
 LABEL_WIDTH = 30
@@ -75,7 +75,7 @@ def _token_bytes(args, config: dict, source: str) -> KVTokenBytes | None:
 
 
 def run(args) -> int:
-    from engram_ray.layout import EngramLayout
+    from engram_ray.model.layout import EngramLayout
 
     config, source = load_model_config(args.model)
     args.layout = EngramLayout.from_config(config, source)

@@ -1,5 +1,5 @@
 """`engram-ray probe`: send the table of malformed requests to a local endpoint and check that
-every one gets a short, clean 4xx (`engram_ray.serving.probes`).
+every one gets a short, clean 4xx (`engram_ray.local.probes`).
 
     engram-ray probe --url http://127.0.0.1:8000 --model engram-tiny
     engram-ray probe --json          # one result per probe, and the summary
@@ -25,7 +25,7 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from engram_ray.serving.probes import probe_summary, run_probes
+    from engram_ray.local.probes import probe_summary, run_probes
 
     try:
         results = run_probes(args.url, args.model)

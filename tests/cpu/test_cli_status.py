@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engram_ray.serving.cluster_configs import load_serve_config
+from engram_ray.serve.cluster_configs import load_serve_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 

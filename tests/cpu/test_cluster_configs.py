@@ -8,7 +8,7 @@ import pytest
 
 from engram_ray.config import DEFAULT_DOMAIN_LABEL_KEY
 from engram_ray.errors import ConfigError
-from engram_ray.serving.cluster_configs import (check_ray_up_config, check_serve_config,
+from engram_ray.serve.cluster_configs import (check_ray_up_config, check_serve_config,
                                                 load_ray_up_config, load_serve_config,
                                                 read_yaml)
 
@@ -50,7 +50,7 @@ def test_deepseek_is_dep2_with_groups_of_eight_spanning_four_replicas():
 
 
 def test_local_deployment_points_every_path_at_its_workdir(tmp_path):
-    from engram_ray.serving.local import LocalDeployment, LocalOptions
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions
 
     local = LocalDeployment(LocalOptions(workdir=str(tmp_path)))
     dep, srv = local.config.deployment, local.config.serving
@@ -109,7 +109,7 @@ BROKEN_SERVE = [
      "table_backend: is 'cuda'"),
     (lambda d: d["applications"][0].pop("import_path"), "applications.0.import_path"),
     (lambda d: d["applications"][0].update(import_path="other:app"),
-     "has no engram_ray.serve:build_app application"),
+     "has no engram_ray.serve.app:build_app application"),
 ]
 
 

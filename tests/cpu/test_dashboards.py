@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engram_ray.layout import EngramLayout
-from engram_ray.hashing import hash_ngrams
-from engram_ray.metrics import EngineIdentity, EngineMetrics, metered_lookup, set_from_tables
-from engram_ray.serving.exposition import MetricsServer, write_file_sd
-from engram_ray.plan import make_plan
-from engram_ray.serving.prometheus import Prometheus, scrape_config
-from engram_ray.table import PeerGroupSpec, open_group_tables
+from engram_ray.model.layout import EngramLayout
+from engram_ray.model.hashing import hash_ngrams
+from engram_ray.metrics.engine import EngineIdentity, EngineMetrics, metered_lookup, set_from_tables
+from engram_ray.metrics.exposition import MetricsServer, write_file_sd
+from engram_ray.planning.memory import make_plan
+from engram_ray.local.prometheus import Prometheus, scrape_config
+from engram_ray.tables.table import PeerGroupSpec, open_group_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"

@@ -20,8 +20,8 @@ def test_doctor_without_gpus_says_so_and_exits_0():
     assert any(line.startswith("[info] GPUs: no CUDA GPUs on this node") for line in lines)
     assert any(line.startswith("[ ok ] shared memory:") and "GiB free" in line for line in lines)
     assert any("pidfd (POSIX-FD import)" in line for line in lines)
-    # What vLLM's CPU backend will use, as /proc/cpuinfo says (engram_ray.cpu_features)
-    from engram_ray.cpu_features import cpu_flags
+    # What vLLM's CPU backend will use, as /proc/cpuinfo says (engram_ray.vllm.cpu_features)
+    from engram_ray.vllm.cpu_features import cpu_flags
     [cpu] = [line for line in lines if "CPU (vLLM CPU backend)" in line]
     assert ("AVX-512;" in cpu) == ("avx512f" in cpu_flags())
     assert ("no AMX" in cpu) == ("amx_tile" not in cpu_flags())

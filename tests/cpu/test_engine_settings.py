@@ -1,5 +1,5 @@
-"""Engine settings per model architecture (engram_ray.models.engine_settings) as the Serve
-app passes them (`engram_ray.serve.engine_kwargs`): DeepSeek-V4.1 runs with vLLM's defaults
+"""Engine settings per model architecture (engram_ray.vllm.engine_settings) as the Serve
+app passes them (`engram_ray.serve.app.engine_kwargs`): DeepSeek-V4.1 runs with vLLM's defaults
 (CUDA graphs on, prefix caching as vLLM decides), the tiny model eager without prefix caching
 (its n-gram history is written per KV slot by Python on the host)."""
 
@@ -7,9 +7,9 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from engram_ray.models.engine_settings import architecture_engine_kwargs, model_architectures
-from engram_ray.serve import engine_kwargs
-from engram_ray.serving.cluster_configs import load_serve_config
+from engram_ray.vllm.engine_settings import architecture_engine_kwargs, model_architectures
+from engram_ray.serve.app import engine_kwargs
+from engram_ray.serve.cluster_configs import load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "cluster_configs"
@@ -33,7 +33,7 @@ def test_deepseek_engines_keep_vllms_defaults(tmp_path):
 
 
 def test_tiny_engines_run_eager_without_prefix_caching(tmp_path):
-    from engram_ray.models.tiny_checkpoint import ARCHITECTURE
+    from engram_ray.vllm.tiny_checkpoint import ARCHITECTURE
     (tmp_path / "config.json").write_text('{"architectures": ["%s"]}' % ARCHITECTURE)
     kwargs = engine_kwargs(_app("serve_local_tiny.yaml", tmp_path))
     assert kwargs["enforce_eager"] is True and kwargs["enable_prefix_caching"] is False

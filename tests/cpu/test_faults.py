@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from engram_ray.serving.api_errors import leaks
-from engram_ray.serving.loadgen import LOST, OK, Traffic, request_body
+from engram_ray.serve.api_errors import leaks
+from engram_ray.local.loadgen import LOST, OK, Traffic, request_body
 
 pytestmark = pytest.mark.slow
 PROMPT = "The river"
@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from engram_ray.serving.local import LocalDeployment, LocalOptions
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions
 
     workdir = tmp_path_factory.mktemp("faults")
     local = LocalDeployment(LocalOptions(workdir=str(workdir), port=_free_port(),
@@ -60,7 +60,7 @@ def _greedy_by_group(deployment, num_requests: int = 6) -> dict[str, set[str]]:
 
 def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_group(
         deployment):
-    from engram_ray.serving.faults import kill_under_load
+    from engram_ray.local.faults import kill_under_load
 
     before = _greedy_by_group(deployment)
     assert set(before) == {"group-0", "group-1"}, before  # requests alternate over groups
@@ -95,7 +95,7 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
 
 
 def test_every_malformed_request_gets_a_clean_4xx_and_serving_goes_on(deployment):
-    from engram_ray.serving.probes import run_probes
+    from engram_ray.local.probes import run_probes
 
     results = run_probes(deployment.url, deployment.model_id)
     bad = [r for r in results if not r.ok]

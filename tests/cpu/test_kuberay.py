@@ -12,8 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from engram_ray.grouping import NodeSlots, domains_of, place_groups
-from engram_ray.serving.cluster_configs import check_serve_config, read_yaml
+from engram_ray.planning.grouping import NodeSlots, domains_of, place_groups
+from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "cluster_configs" / "kuberay"
@@ -210,7 +210,7 @@ def test_gpus_cpus_and_bundles_agree_with_the_serve_config(manifest):
 
 
 def test_every_group_fits_one_nvlink_domain(manifest):
-    """build_app's placement (engram_ray.grouping) on the nodes the manifest makes: GB300 trays
+    """build_app's placement (engram_ray.planning.grouping) on the nodes the manifest makes: GB300 trays
     share the rack's fabric clique, each H200 pod is its own host domain."""
     _, docs = manifest
     service = rayservice(docs)
@@ -331,7 +331,7 @@ def test_engine_metrics_ports_are_fixed_named_and_scraped(manifest):
     """Every engine slot of an engine pod (one engine per GPU) has its two container ports,
     named and numbered as the engines bind them (serving.metrics_port), and the engines'
     PodMonitor scrapes exactly those on exactly the engine pods; the head serves http_sd."""
-    from engram_ray.serving.exposition import ENDPOINTS, metrics_port, port_name
+    from engram_ray.metrics.exposition import ENDPOINTS, metrics_port, port_name
 
     _, docs = manifest
     service = rayservice(docs)

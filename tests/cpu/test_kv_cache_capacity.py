@@ -1,4 +1,4 @@
-"""KV-cache capacity behind the headroom gauges (engram_ray.serving.kv_cache): exact bytes from
+"""KV-cache capacity behind the headroom gauges (engram_ray.serve.kv_cache): exact bytes from
 the workers' KVCacheConfig, the formula as fallback.
 
 Fast tests build KV-cache configs with vLLM's own planner; the slow one starts the tiny model in
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engram_ray.serving import kv_cache
-from engram_ray.serving.kv_cache import (KV_PROBE_CLS, KV_PROBE_METHOD, engine_capacity,
+from engram_ray.serve import kv_cache
+from engram_ray.serve.kv_cache import (KV_PROBE_CLS, KV_PROBE_METHOD, engine_capacity,
                                          formula_capacity, kv_cache_config_bytes,
                                          probe_engine_kwargs, storage_bytes)
 
@@ -134,7 +134,7 @@ def test_engine_capacity_prefers_the_workers_and_falls_back_to_the_formula(monke
         12000, 90 * BLOCK_SIZE, "kv_cache_config")
 
     formula = formula_capacity(mla_model_config(100))
-    monkeypatch.setattr("engram_ray.serving.kv_cache.PROBE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr("engram_ray.serve.kv_cache.PROBE_TIMEOUT_S", 0.1)
     # Under "ray.serve", which stops propagating to the root logger once Ray is imported.
     monkeypatch.setattr(kv_cache.logger, "handlers", [caplog.handler])
     for answer in (Exception("Method 'engram_kv_cache_bytes' is not implemented."), "hang", []):
@@ -149,10 +149,10 @@ _ENGINE = r"""
 import asyncio, dataclasses, json, logging, sys
 from types import SimpleNamespace
 
-from engram_ray.engine_runner import apply_cpu_defaults, generate_async, start_async_engine
-from engram_ray.metrics import EngineIdentity, EngineMetrics
-from engram_ray.serving.kv_cache import KV_PROBE_METHOD, formula_capacity, probe_engine_kwargs
-from engram_ray.serving.server import EngramServerMixin
+from engram_ray.vllm.engine_runner import apply_cpu_defaults, generate_async, start_async_engine
+from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
+from engram_ray.serve.kv_cache import KV_PROBE_METHOD, formula_capacity, probe_engine_kwargs
+from engram_ray.serve.replica import EngramServerMixin
 
 
 async def main(model_dir):
@@ -186,7 +186,7 @@ with open(sys.argv[2], "w") as out:
 @pytest.mark.slow
 def test_exact_bytes_are_what_the_engine_allocated(tmp_path):
     """One tiny-model AsyncLLM with the probe, capacity read as the Serve replica reads it."""
-    from engram_ray.models.tiny_checkpoint import write_tiny_model
+    from engram_ray.vllm.tiny_checkpoint import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model")
     result_path, log_path = tmp_path / "result.json", tmp_path / "engine.log"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.layout import EngramLayout, is_prime, load_layout, next_prime_above
+from engram_ray.model.layout import EngramLayout, is_prime, load_layout, next_prime_above
 
 FLASH_FIELDS = dict(engram_layer_ids=[1, 14], engram_vocab_size=16000000,
                     engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,

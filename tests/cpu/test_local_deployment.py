@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from engram_ray.serving import engine_shm
-from engram_ray.serving.loadgen import run_load
-from engram_ray.serving.prometheus import Prometheus, free_port, scrape_config
-from engram_ray.serving.summary import engine_row, merge_by_engine
+from engram_ray.serve import engine_shm
+from engram_ray.local.loadgen import run_load
+from engram_ray.local.prometheus import Prometheus, free_port, scrape_config
+from engram_ray.local.summary import engine_row, merge_by_engine
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def vllm_processes(title: str) -> list[int]:
 
 
 def engine_segments() -> set[str]:
-    """vLLM's shared-memory ring buffers (engram_ray.serving.engine_shm)."""
+    """vLLM's shared-memory ring buffers (engram_ray.serve.engine_shm)."""
     return set(glob.glob(engine_shm.SEGMENT_PREFIX + "*"))
 
 
@@ -226,7 +226,7 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     lost silently and new ones fail fast: 503 with Retry-After, until the group serves again."""
     import ray
 
-    from engram_ray.serving.loadgen import LOST, Traffic, check_generation_order, \
+    from engram_ray.local.loadgen import LOST, Traffic, check_generation_order, \
         probe_generations
 
     if ray.is_initialized():  # a driver left by an earlier module would refuse a second init
@@ -310,7 +310,7 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     assert local.proc.wait(120) == 130
     assert "stopping: Serve, Ray" in local.err.read_text()
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
-    # vLLM's ring buffers of every engine, the one killed above included (engram_ray.serving.
+    # vLLM's ring buffers of every engine, the one killed above included (engram_ray.serve.
     # engine_shm); and the record of each replica's segments
     assert not engine_segments() - local.segments_before
     assert not list(engine_shm.RECORDS.glob("*.json"))

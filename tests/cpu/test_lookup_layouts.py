@@ -21,7 +21,7 @@ def _tables(rows: int, head_dim: int, seed: int):
     and its split and pages copies; the scales sit below the values in memory and the values
     start off any 4 KiB page (the offset the kernel adds is negative and unaligned to it)."""
     from engram_ray.kernels.lookup_launch import page_rows
-    from engram_ray.reference import random_table
+    from engram_ray.model.reference import random_table
     torch.manual_seed(seed)
     row_bytes = head_dim + head_dim // 32
     table = random_table(rows, head_dim)
@@ -48,7 +48,7 @@ def _tables(rows: int, head_dim: int, seed: int):
 def check(seed: int) -> int:
     from engram_ray.kernels import lookup as kernel
     from engram_ray.kernels.lookup_launch import LookupLauncher
-    from engram_ray.reference import lookup_reference
+    from engram_ray.model.reference import lookup_reference
     checked = 0
     for head_dim in (64, 256):
         table, split, pages = _tables(41, head_dim, seed + head_dim)
@@ -106,7 +106,7 @@ def test_layouts_refuse_what_the_kernel_cannot_read():
 
 
 def test_split_tables_on_cpu_memory_are_refused_by_the_model_path():
-    from engram_ray.table_lookup import TableLookup
+    from engram_ray.tables.lookup import TableLookup
     with pytest.raises(ValueError, match="split tables"):
         TableLookup(256, table=torch.zeros(8, 256, dtype=torch.uint8),
                     scales=torch.zeros(8, 8, dtype=torch.uint8))

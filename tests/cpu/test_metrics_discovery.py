@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.serving.cluster_configs import load_serve_config, read_yaml
-from engram_ray.serving.exposition import (MetricsServer, TargetsServer, metrics_port,
+from engram_ray.serve.cluster_configs import load_serve_config, read_yaml
+from engram_ray.metrics.exposition import (MetricsServer, TargetsServer, metrics_port,
                                            port_name, target_groups, write_file_sd)
-from engram_ray.serving.prometheus import Prometheus, free_port
+from engram_ray.local.prometheus import Prometheus, free_port
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 # Kubernetes' IANA_SVC_NAME: 1-15 lowercase letters, digits and single inner hyphens.
@@ -48,7 +48,7 @@ def test_taken_fixed_port_is_refused_naming_it():
 
 
 def test_ports_are_checked_in_the_config():
-    from engram_ray.serving.config import ServingConfig
+    from engram_ray.serve.config import ServingConfig
 
     for name in ("metrics_port", "http_sd_port"):
         for bad in (-1, 70000, 1.5):
@@ -57,7 +57,7 @@ def test_ports_are_checked_in_the_config():
     # Slots make a fixed base port fine for CPU engines sharing a node, too (refused before).
     import copy
 
-    from engram_ray.serving.cluster_configs import check_serve_config, read_yaml
+    from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 
     data = copy.deepcopy(read_yaml(CONFIGS / "serve_local_tiny.yaml"))
     data["applications"][0]["args"]["serving"]["metrics_port"] = 9500
@@ -198,7 +198,7 @@ def test_free_port_zero_never_collides():
 def test_model_process_endpoint_binds_its_fixed_port(tmp_path):
     """What the replica hands vLLM's model process (`additional_config.engram_metrics`): its
     endpoint binds the given port and writes that target for the replica to register."""
-    from engram_ray.serving.exposition import start_process_metrics
+    from engram_ray.metrics.exposition import start_process_metrics
 
     port = free_port()
     target_file = tmp_path / "model-target.json"
@@ -243,7 +243,7 @@ def _podmonitor_relabel_configs(manifest: Path) -> list[dict]:
 
 
 def _local_path(sd_file: Path, tmp_path: Path) -> tuple[dict, str]:
-    from engram_ray.serving.prometheus import LOCAL_CLUSTER, scrape_config
+    from engram_ray.local.prometheus import LOCAL_CLUSTER, scrape_config
 
     return scrape_config(DASHBOARDS / "prometheus.yml", str(sd_file), None, "1s"), LOCAL_CLUSTER
 
@@ -309,7 +309,7 @@ def test_cluster_label_names_are_checked_and_replace_the_files():
     import yaml
 
     from engram_ray.errors import EngramRayError
-    from engram_ray.serving.prometheus import with_cluster
+    from engram_ray.local.prometheus import with_cluster
 
     base = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
     assert {job["job_name"]: job["relabel_configs"] for job in base["scrape_configs"]} == {

@@ -32,7 +32,7 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
                    check=True, timeout=300)
     # -S: no site-packages, so the editable install cannot answer for the wheel.
     code = ("import sys; sys.path.insert(0, sys.argv[1]);"
-            "import engram_ray.actors, engram_ray.kernels, engram_ray.layout as l;"
+            "import engram_ray.actors, engram_ray.kernels, engram_ray.model.layout as l;"
             "assert engram_ray.actors.__file__.startswith(sys.argv[1]);"
             "from importlib import resources as r;"
             "d = r.files('engram_ray.dashboards'); c = r.files('engram_ray.cluster_configs');"
@@ -50,7 +50,7 @@ def test_readme_describes_every_deployment_and_serving_field():
     import dataclasses
 
     from engram_ray.config import DeploymentConfig
-    from engram_ray.serving.config import ServingConfig
+    from engram_ray.serve.config import ServingConfig
 
     readme = (REPO / "README.md").read_text()
     lines = readme.splitlines()

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engram_ray.errors import ConfigError
-from engram_ray.layout import EngramLayout
-from engram_ray.peer.local_group import check_member, expected_rows, random_row_ids, run_group
-from engram_ray.plan import make_plan, rows_per_rank, slice_range
-from engram_ray.table import PeerGroupSpec, open_group_tables
+from engram_ray.model.layout import EngramLayout
+from engram_ray.tables.local_group import check_member, expected_rows, random_row_ids, run_group
+from engram_ray.planning.memory import make_plan, rows_per_rank, slice_range
+from engram_ray.tables.table import PeerGroupSpec, open_group_tables
 
 # Two tables of 4,062 and 4,152 rows, 66-byte rows: small, and not multiples of any P used.
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
@@ -106,8 +106,8 @@ def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir, scale_suffix):
     """A safetensors checkpoint (fp8 values, e8m0 scales) fills each rank's rows exactly."""
     from safetensors.torch import save_file
 
-    from engram_ray.peer import fill
-    from engram_ray.reference import random_table
+    from engram_ray.tables import fill
+    from engram_ray.model.reference import random_table
 
     tables = {lid: random_table(rows, TINY.head_dim, generator=torch.Generator().manual_seed(lid))
               for lid, rows in zip(TINY.layer_ids, TINY.rows_per_table)}
@@ -138,8 +138,7 @@ def test_checkpoint_scales_of_another_dtype_are_named(tmp_path):
     not copied as raw bytes of the wrong width."""
     from safetensors.torch import save_file
 
-    from engram_ray.peer import fill
-
+    from engram_ray.tables import fill
     rows = TINY.rows_per_table[0]
     prefix = "model.layers.1.engram.embed"
     save_file({f"{prefix}.weight": torch.zeros(rows, TINY.head_dim).to(torch.float8_e4m3fn),

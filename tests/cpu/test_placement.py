@@ -1,6 +1,6 @@
 """Peer groups placed by Ray's scheduler inside NVLink domains, on a real multi-node Ray
 (`ray.cluster_utils.Cluster`): two domains of two labelled nodes each (2 fake GPUs per node),
-the real Serve application of `engram_ray.serve.build_app` with engines that only record where
+the real Serve application of `engram_ray.serve.app.build_app` with engines that only record where
 they run (tests/support/recording_server.py). Checks every member's node labels, DEP gangs
 nested in groups, an infeasible group reported in one line within placement_timeout_s (in the
 Serve application's status too), and a group restarted as one while the other keeps running.
@@ -72,7 +72,7 @@ def _records(tmp_path) -> list[dict]:
 def _deploy(tmp_path, args, server_cls=RecordingServer, name="placement"):
     from ray import serve
 
-    from engram_ray.serve import build_engram_app
+    from engram_ray.serve.app import build_engram_app
 
     serve.run(build_engram_app(args, server_cls=server_cls), name=name, route_prefix=f"/{name}")
     return _records(tmp_path)
@@ -155,7 +155,7 @@ def test_a_group_that_fits_no_domain_fails_the_deploy_in_one_line(cluster, tmp_p
     args = _args(tmp_path, "infeasible", 4, 3, placement_timeout_s=30)
     config = ServeDeploySchema.parse_obj({"applications": [{
         "name": "infeasible", "route_prefix": "/infeasible",
-        "import_path": "engram_ray.serve:build_app", "args": args}]})
+        "import_path": "engram_ray.serve.app:build_app", "args": args}]})
     started = time.monotonic()
     serve_start().deploy_apps(config)
     status = None

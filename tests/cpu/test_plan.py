@@ -3,8 +3,8 @@
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.layout import load_layout
-from engram_ray.plan import gib, make_plan, owner_of, rows_per_rank, slice_range
+from engram_ray.model.layout import load_layout
+from engram_ray.planning.memory import gib, make_plan, owner_of, rows_per_rank, slice_range
 
 
 @pytest.fixture(scope="module")

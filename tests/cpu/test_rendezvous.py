@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from engram_ray.layout import EngramLayout
-from engram_ray.rendezvous import STORE_FILE, Rendezvous, RendezvousError
-from engram_ray.table import PeerGroupSpec, open_group_tables
+from engram_ray.model.layout import EngramLayout
+from engram_ray.tables.rendezvous import STORE_FILE, Rendezvous, RendezvousError
+from engram_ray.tables.table import PeerGroupSpec, open_group_tables
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)

@@ -6,10 +6,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from engram_ray.generations import GenerationBook
-from engram_ray.layout import load_layout
-from engram_ray.serving.cluster_configs import load_serve_config
-from engram_ray.serving.ingress import GroupRouting, error_event, is_group_failure
+from engram_ray.planning.generations import GenerationBook
+from engram_ray.model.layout import load_layout
+from engram_ray.serve.cluster_configs import load_serve_config
+from engram_ray.serve.ingress import GroupRouting, error_event, is_group_failure
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 
@@ -23,7 +23,7 @@ def _raw(tmp_path, name: str) -> dict:
 
 
 def _book(tmp_path) -> GenerationBook:
-    from engram_ray.serving.config import ServeAppConfig
+    from engram_ray.serve.config import ServeAppConfig
 
     config = ServeAppConfig.from_dict(_raw(tmp_path, "book"), "test").deployment
     return GenerationBook(config, load_layout(config.model), {"group-0": "a", "group-1": "b"})
@@ -137,7 +137,7 @@ def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
 
 def test_a_failure_seen_only_by_the_ingress_expires(monkeypatch):
     """A transient error must not take a group the coordinator calls healthy out for good."""
-    import engram_ray.serving.ingress as ingress
+    import engram_ray.serve.ingress as ingress
 
     monkeypatch.setattr(ingress, "LOST_HINT_S", 0.05)
     routing = GroupRouting("unused")

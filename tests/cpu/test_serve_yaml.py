@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.grouping import Domain, PeerGroupPlan
-from engram_ray.serving.cluster_configs import check_serve_config, read_yaml
-from engram_ray.serving.config import ServeAppConfig, check_engine_kwargs, check_llm_options
+from engram_ray.planning.grouping import Domain, PeerGroupPlan
+from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
+from engram_ray.serve.config import ServeAppConfig, check_engine_kwargs, check_llm_options
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
 GROUP = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
@@ -25,7 +25,7 @@ def test_empty_args_serve_deepseek_from_its_checkpoint():
     assert app.deployment.model == "deepseek-v4.1-flash"
     assert app.serving.num_cpus_per_replica == app.deployment.num_cpus_per_engine
     # and Ray's schema and the project's checks take it as a whole document
-    doc = {"applications": [{"name": "a", "import_path": "engram_ray.serve:build_app",
+    doc = {"applications": [{"name": "a", "import_path": "engram_ray.serve.app:build_app",
                              "args": {}}]}
     (checked,) = check_serve_config(doc, "minimal.yaml").values()
     assert checked == app
@@ -87,7 +87,7 @@ def test_engine_kwargs_typo_fails_engram_ray_check_and_build_app():
     data["applications"][0]["args"]["serving"]["engine_kwargs"]["gpu_memory_utilisation"] = 0.9
     with pytest.raises(ConfigError, match="gpu_memory_utilisation.*`gpu_memory_utilization`"):
         check_serve_config(data, "local.yaml")
-    from engram_ray.serve import build_app
+    from engram_ray.serve.app import build_app
 
     # refused before any Ray call (build_app would otherwise make the coordinator first)
     with pytest.raises(ConfigError, match="gpu_memory_utilisation"):
@@ -104,7 +104,7 @@ def test_engine_kwargs_check_is_skipped_with_a_warning_without_vllm(monkeypatch,
 
 
 def test_llm_config_and_deployment_options_pass_through():
-    from engram_ray.serve import llm_config
+    from engram_ray.serve.app import llm_config
 
     data = read_yaml(CONFIGS / "serve_local_tiny.yaml")
     args = copy.deepcopy(data["applications"][0]["args"])
@@ -153,10 +153,10 @@ def test_unknown_passthrough_options_name_the_nearest():
 def test_replica_classes_are_built_on_rays_public_names():
     from ray.serve.llm.deployment import DPServer, LLMServer
 
-    from engram_ray.serving.server import EngramDPServer, EngramLLMServer
+    from engram_ray.serve.replica import EngramDPServer, EngramLLMServer
 
     assert issubclass(EngramLLMServer, LLMServer) and issubclass(EngramDPServer, DPServer)
-    source = (Path(__file__).resolve().parents[2] / "engram_ray" / "serving" / "server.py")
+    source = (Path(__file__).resolve().parents[2] / "engram_ray" / "serve" / "replica.py")
     imports = [line for line in source.read_text().splitlines()
                if line.startswith(("from ray", "import ray"))]
     assert imports and not any("_internal" in line for line in imports)

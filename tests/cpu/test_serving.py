@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engram_ray.grouping import Domain, PeerGroupPlan
-from engram_ray.serve import engine_kwargs, llm_config, server_class
-from engram_ray.serving.cluster_configs import load_serve_config
-from engram_ray.serving.server import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
+from engram_ray.planning.grouping import Domain, PeerGroupPlan
+from engram_ray.serve.app import engine_kwargs, llm_config, server_class
+from engram_ray.serve.cluster_configs import load_serve_config
+from engram_ray.serve.replica import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
                                        EngramLLMServer, peer_group_settings)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
@@ -63,7 +63,7 @@ def test_replica_peer_settings_carry_a_requested_handle_type_and_the_dp_base_ran
     """A deployment's handle_type reaches the engine's `additional_config.engram_peer_group`
     (validated there: CUDA types need backend cuda); none is passed when unset. A DP rank's
     `rank` is the member of DP rank 0 of its gang (the plugin adds the DP rank)."""
-    from engram_ray.models.peer_settings import PeerGroupSettings
+    from engram_ray.vllm.peer_settings import PeerGroupSettings
 
     assignment = {"group_id": "A-g0", "member_rank": 3, "size": 8,
                   "generation": "t-A-g0.1.x", "generation_index": 1, "store": "/tmp/s",
@@ -78,7 +78,7 @@ def test_replica_peer_settings_carry_a_requested_handle_type_and_the_dp_base_ran
 def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_local, tmp_path):
     ray = ray_local
     from engram_ray.actors.coordinator import get_coordinator
-    from engram_ray.generations import GroupMismatchError
+    from engram_ray.planning.generations import GroupMismatchError
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "gens")
     coordinator = get_coordinator(raw, {"group-0": "node-a"}, "gens")
@@ -147,9 +147,9 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
     from types import SimpleNamespace
 
     from engram_ray.actors.coordinator import get_coordinator
-    from engram_ray.serving.config import ServeAppConfig
-    from engram_ray.serving.exposition import MetricsServer
-    from engram_ray.serving.server import EngramServerMixin
+    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.metrics.exposition import MetricsServer
+    from engram_ray.serve.replica import EngramServerMixin
 
     taken = MetricsServer([], "127.0.0.1", 0)
     raw = _raw("serve_local_tiny.yaml", tmp_path, "taken-port")
@@ -190,7 +190,7 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     bundles are label-selected to that node, behind the peer-group ingress."""
     ray = ray_local
     from engram_ray.actors.coordinator import find_coordinator
-    from engram_ray.serve import build_app
+    from engram_ray.serve.app import build_app
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "built")
     app = build_app(raw)
@@ -225,7 +225,7 @@ def test_kv_cache_capacity_counts_k_and_v_but_one_latent_for_mla():
 
     import torch
 
-    from engram_ray.serving.kv_cache import formula_capacity
+    from engram_ray.serve.kv_cache import formula_capacity
 
     def config(use_mla):
         model = SimpleNamespace(dtype=torch.bfloat16, use_mla=use_mla,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engram_ray.topology import (FABRIC_CLIQUE_ID_UNSET, KIND_HOST, KIND_MNNVL, KIND_NONE,
+from engram_ray.planning.topology import (FABRIC_CLIQUE_ID_UNSET, KIND_HOST, KIND_MNNVL, KIND_NONE,
                                  NVML_GPU_FABRIC_STATE_COMPLETED, FabricInfo, GpuReport,
                                  NodeReport, decide_domain, format_labels, label_value,
                                  node_labels)

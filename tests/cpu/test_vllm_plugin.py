@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from engram_ray.errors import ConfigError
-from engram_ray.models.deepseek_engram import close_sessions
-from engram_ray.models.peer_settings import PeerGroupSettings
-from engram_ray.reference import lookup_reference, pack_rows
-from engram_ray.vllm_plugin import ENGRAM_MODULE, install_deepseek_patch, register
+from engram_ray.vllm.deepseek_engram import close_sessions
+from engram_ray.vllm.peer_settings import PeerGroupSettings
+from engram_ray.model.reference import lookup_reference, pack_rows
+from engram_ray.vllm.plugin import ENGRAM_MODULE, install_deepseek_patch, register
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 
@@ -67,7 +67,7 @@ def _vllm_config(architecture="DeepseekV41ForCausalLM", tp=1, pp=1, additional=N
 
 
 def _layout():
-    from engram_ray.layout import EngramLayout
+    from engram_ray.model.layout import EngramLayout
     return EngramLayout.from_config(dict(ENGRAM_FIELDS))
 
 
@@ -83,7 +83,7 @@ def _peer(tmp_path, size=1, rank=0, **extra):
 
 def test_entry_point_and_tiny_architecture():
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert names.get("engram_ray") == "engram_ray.vllm_plugin:register"
+    assert names.get("engram_ray") == "engram_ray.vllm.plugin:register"
     register()
     from vllm import ModelRegistry
     assert "EngramTinyForCausalLM" in ModelRegistry.get_supported_archs()
@@ -181,8 +181,8 @@ def test_the_serve_yaml_engine_settings_build_a_peer_table(engram_module, tmp_pa
 
     from vllm.config import EngramConfig
 
-    from engram_ray.serve import engine_kwargs
-    from engram_ray.serving.cluster_configs import load_serve_config
+    from engram_ray.serve.app import engine_kwargs
+    from engram_ray.serve.cluster_configs import load_serve_config
 
     module, _ = engram_module
     yaml_path = Path(__file__).resolve().parents[2] / "cluster_configs" / \

@@ -5,7 +5,7 @@ of it on two GPUs."""
 import pytest
 import torch
 
-from engram_ray.reference import random_table
+from engram_ray.model.reference import random_table
 from lookup_support import HEAD_DIM, NUM_ROWS, ROW_BYTES, ROWS_PER_RANK
 
 
@@ -16,7 +16,7 @@ def hbm_table():
 
 
 def _host_copy(hbm_table, use_thp):
-    from engram_ray.host_memory import allocate_host_table
+    from engram_ray.tables.backends.host_memory import allocate_host_table
     table = allocate_host_table(hbm_table.numel(), use_thp=use_thp).view(-1, ROW_BYTES)
     table.copy_(hbm_table)
     return table
@@ -35,8 +35,8 @@ def thp_table(hbm_table):
 @pytest.fixture(scope="module")
 def host_split_table(hbm_table):
     """(values, scales): the table in vLLM's split layout, pinned host memory (what the
-    DeepSeek patch allocates for host tables, engram_ray.host_memory)."""
-    from engram_ray.host_memory import allocate_split_host_table
+    DeepSeek patch allocates for host tables, engram_ray.tables.backends.host_memory)."""
+    from engram_ray.tables.backends.host_memory import allocate_split_host_table
     values, scales = allocate_split_host_table(hbm_table.shape[0], HEAD_DIM)
     values.copy_(hbm_table[:, :HEAD_DIM])
     scales.copy_(hbm_table[:, HEAD_DIM:])

@@ -5,9 +5,11 @@ test, -1 ids and the first and last rows are always looked up, and outputs are p
 each launch so an unwritten byte cannot pass. The tables themselves are fixtures (conftest.py).
 """
 
+import zlib
+
 import torch
 
-from engram_ray.reference import lookup_reference
+from engram_ray.model.reference import lookup_reference
 
 HEAD_DIM = 256
 ROW_BYTES = 264
@@ -29,6 +31,15 @@ def tile_id(tile):
 def lookup(**kwargs):
     from engram_ray.kernels.lookup import engram_lookup
     return engram_lookup(head_dim=HEAD_DIM, **kwargs)
+
+
+def seed_of(*parts):
+    """A seed fixed by the test's parameters (the test id), the same in every run: crc32 of their
+    repr, not `hash()`, which changes with PYTHONHASHSEED. Printed, so a failure's captured
+    output names it."""
+    seed = zlib.crc32(repr(parts).encode())
+    print(f"seed {seed} for {parts!r}")
+    return seed
 
 
 def random_ids(shape, seed, device="cuda:0"):

@@ -15,23 +15,23 @@ import uuid
 import pytest
 import torch
 
-from engram_ray.layout import EngramLayout
-from engram_ray.peer.local_group import run_group
+from engram_ray.model.layout import EngramLayout
+from engram_ray.tables.local_group import run_group
 
 SMALL = EngramLayout(layer_ids=(1, 14), vocab_size=20_000, max_ngram_size=4, n_heads=8,
                      head_dim=256, compressed_vocab_size=1000, pad_token_id=2)
 
 
 def _checkpoint_table(layer_idx, layout):
-    from engram_ray.reference import random_table
+    from engram_ray.model.reference import random_table
     gen = torch.Generator().manual_seed(100 + layer_idx)
     return random_table(layout.rows_per_table[layer_idx], layout.head_dim, generator=gen)
 
 
 def session_member(rank, layout, size, store_dir, generation):
-    from engram_ray.models.deepseek_engram import GroupSession
-    from engram_ray.models.peer_settings import PeerGroupSettings
-    from engram_ray.reference import lookup_reference
+    from engram_ray.vllm.deepseek_engram import GroupSession
+    from engram_ray.vllm.peer_settings import PeerGroupSettings
+    from engram_ray.model.reference import lookup_reference
 
     torch.cuda.set_device(rank)
     settings = PeerGroupSettings(size=size, store=store_dir, rank=rank, generation=generation,

@@ -9,9 +9,10 @@ checked ids): test_lookup_launches.py. Tables and ids: lookup_support.py, confte
 import pytest
 import torch
 
-from engram_ray.reference import lookup_reference, lookup_reference_split, random_table
+from engram_ray.model.reference import lookup_reference, lookup_reference_split, random_table
 from lookup_support import (HEAD_DIM, OUTS, ROW_BYTES, ROWS_PER_RANK, SHAPES, TILES,
-                            assert_bitwise, check, lookup, poisoned, random_ids, tile_id)
+                            assert_bitwise, check, lookup, poisoned, random_ids, seed_of,
+                            tile_id)
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("tile", TILES, ids=tile_id)
 @pytest.mark.parametrize("out", OUTS)
 def test_hbm(hbm_table, out, tile, shape):
-    check(hbm_table, shape, out, seed=hash((out, tile, shape)) % 2**31,
+    check(hbm_table, shape, out, seed=seed_of(out, tile, shape),
            table=hbm_table, block_rows=tile[0], prefetch=tile[1])
 
 
@@ -29,7 +30,7 @@ def test_hbm(hbm_table, out, tile, shape):
 @pytest.mark.parametrize("out", OUTS)
 @pytest.mark.parametrize("sort_rows", [False, True], ids=["unsorted", "sorted"])
 def test_host_pinned(host_table, sort_rows, out, tile, shape):
-    check(host_table, shape, out, seed=hash((sort_rows, out, tile, shape)) % 2**31,
+    check(host_table, shape, out, seed=seed_of(sort_rows, out, tile, shape),
            table=host_table, block_rows=tile[0], prefetch=tile[1], sort_rows=sort_rows)
 
 
@@ -37,12 +38,12 @@ def test_host_pinned(host_table, sort_rows, out, tile, shape):
 @pytest.mark.parametrize("tile", TILES, ids=tile_id)
 @pytest.mark.parametrize("out", OUTS)
 def test_host_thp(thp_table, out, tile, shape):
-    check(thp_table, shape, out, seed=hash(("thp", out, tile, shape)) % 2**31,
+    check(thp_table, shape, out, seed=seed_of("thp", out, tile, shape),
            table=thp_table, block_rows=tile[0], prefetch=tile[1])
 
 
 def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
-    from engram_ray.host_memory import huge_page_bytes, is_huge_page_backed
+    from engram_ray.tables.backends.host_memory import huge_page_bytes, is_huge_page_backed
     from engram_ray.kernels.lookup import table_placement
     assert thp_table.is_pinned() and is_huge_page_backed(thp_table)
     assert table_placement(thp_table, None) == "host_thp"
@@ -58,7 +59,7 @@ def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
 def test_peer_slices_one_gpu(hbm_table, out, tile, shape):
     slices = list(hbm_table.split(ROWS_PER_RANK))
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
-    check(hbm_table, shape, out, seed=hash(("peer1", out, tile, shape)) % 2**31,
+    check(hbm_table, shape, out, seed=seed_of("peer1", out, tile, shape),
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
@@ -69,7 +70,7 @@ def test_peer_slices_one_gpu(hbm_table, out, tile, shape):
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
 def test_peer_slices_two_gpus(hbm_table, two_gpu_slices, device, out, tile, shape):
     bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device=device)
-    seed = hash(("peer2", device, out, tile, shape)) % 2**31
+    seed = seed_of("peer2", device, out, tile, shape)
     ids = random_ids(shape, seed, device)
     into = poisoned(shape, out, device)
     got = lookup(row_ids=ids, out=out, into=into, peer_bases=bases,
@@ -120,7 +121,7 @@ def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
     from engram_ray.kernels.lookup import engram_lookup
     generator = torch.Generator(device="cuda:0").manual_seed(head_dim)
     table = random_table(100_003, head_dim, generator=generator, device="cuda:0")
-    ids = random_ids((129, 24), hash(("narrow", head_dim, out, tile)) % 2**31, "cuda:0")
+    ids = random_ids((129, 24), seed_of("narrow", head_dim, out, tile), "cuda:0")
     ids = ids.remainder(table.shape[0]).where(ids >= 0, ids)
     expected = lookup_reference(table, ids, head_dim, out=out)
     got = engram_lookup(ids, head_dim=head_dim, table=table, out=out, block_rows=tile[0],

@@ -5,9 +5,10 @@ HBM and host tables), cp.async pipelines (TileConfig.num_stages), and checked id
 import pytest
 import torch
 
-from engram_ray.reference import lookup_reference
+from engram_ray.model.reference import lookup_reference
 from lookup_support import (HEAD_DIM, NUM_ROWS, OUTS, ROW_BYTES, ROWS_PER_RANK, TILES,
-                            assert_bitwise, check, lookup, poisoned, random_ids, tile_id)
+                            assert_bitwise, check, lookup, poisoned, random_ids, seed_of,
+                            tile_id)
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,7 @@ def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatc
         for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     slices = list(hbm_table.split(ROWS_PER_RANK))
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
-    check(hbm_table, (43691, 24), out, seed=hash(("rows64", out, tile)) % 2**31,
+    check(hbm_table, (43691, 24), out, seed=seed_of("rows64", out, tile),
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
@@ -77,7 +78,7 @@ def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, 
     assert {base % 32 for base in bases.tolist()} == {shift}
     for shape in ((1, 17), (43, 3), (43691, 24)):
         check(hbm_table, shape, out,
-               seed=hash(("split", split_bytes, shift, out, tile, shape)) % 2**31,
+               seed=seed_of("split", split_bytes, shift, out, tile, shape),
                peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0],
                prefetch=tile[1])
 
@@ -94,7 +95,7 @@ def test_peer_slices_two_gpus_with_split_loads(hbm_table, two_gpu_slices, split_
         rows: replace(config, split_bytes=split_bytes)
         for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device="cuda:0")
-    ids = random_ids((43691, 24), hash(("split2", split_bytes, out)) % 2**31)
+    ids = random_ids((43691, 24), seed_of("split2", split_bytes, out))
     got = lookup(row_ids=ids, out=out, into=poisoned((43691, 24), out), peer_bases=bases,
                   rows_per_rank=ROWS_PER_RANK, block_rows=16)
     assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
@@ -117,7 +118,7 @@ def test_tables_with_split_loads(hbm_table, host_table, thp_table, split_bytes, 
     table = {"hbm": hbm_table, "host": host_table, "host_thp": thp_table}[placement]
     for first in (0, 1):
         for shape in ((43, 3), (43691, 24)):
-            seed = hash(("tsplit", split_bytes, placement, out, tile, shape, first)) % 2**31
+            seed = seed_of("tsplit", split_bytes, placement, out, tile, shape, first)
             ids = random_ids(shape, seed).clamp(max=NUM_ROWS - 1 - first)
             got = lookup(row_ids=ids, out=out, into=poisoned(shape, out), table=table[first:],
                           block_rows=tile[0], prefetch=tile[1])
@@ -147,8 +148,8 @@ def test_pipelined_loads(hbm_table, host_table, thp_table, num_stages, split_byt
              "peer": hbm_table}[placement]
     for first in (0,) if placement == "peer" else (0, 1):
         for shape in ((43, 3), (43691, 24)):
-            seed = hash(("stages", num_stages, split_bytes, placement, out, block_rows, shape,
-                         first)) % 2**31
+            seed = seed_of("stages", num_stages, split_bytes, placement, out, block_rows, shape,
+                         first)
             ids = random_ids(shape, seed).clamp(max=NUM_ROWS - 1 - first)
             source = {"table": table[first:]}
             if placement == "peer":

@@ -1,4 +1,4 @@
-"""The lookup as vLLM's model calls it (`engram_ray.table_lookup.TableLookup`, what the
+"""The lookup as vLLM's model calls it (`engram_ray.tables.lookup.TableLookup`, what the
 DeepSeek-V4.1 patch runs): int32 hashes as one layer's column slice of `[T, L, C]`, rows
 written into a persistent staging buffer; bit for bit against the torch reference.
 
@@ -11,7 +11,7 @@ written into a persistent staging buffer; bit for bit against the torch referenc
 import pytest
 import torch
 
-from engram_ray.reference import lookup_reference
+from engram_ray.model.reference import lookup_reference
 from lookup_support import HEAD_DIM, NUM_ROWS, ROWS_PER_RANK, assert_bitwise, poisoned, random_ids
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ TOKENS = [1, 64, 2000, 2731]
 
 
 def _reader(placement, hbm_table, host_table, meter=None, split=None):
-    from engram_ray.table_lookup import TableLookup
+    from engram_ray.tables.lookup import TableLookup
     if placement == "host_split":
         values, scales = split
         return TableLookup(HEAD_DIM, table=values, scales=scales, meter=meter)
@@ -108,8 +108,8 @@ def test_direct_launches_match_the_reference(hbm_table, host_table, host_split_t
 def test_metered_lookups_do_not_wait_for_the_gpu(hbm_table, host_table, monkeypatch):
     """A sampled lookup records events and device-side counts: the host returns while the GPU
     is still busy; the samples are published once their events completed (scrape / drain)."""
-    from engram_ray.lookup_meter import LookupMeter
-    from engram_ray.metrics import EngineIdentity, EngineMetrics
+    from engram_ray.metrics.lookup_meter import LookupMeter
+    from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 
     metrics = EngineMetrics(EngineIdentity("m", "e", "g", 0))
     meter = LookupMeter(metrics, 1, ROWS_PER_RANK, rank=0, gpu_sample_every=2)

@@ -6,8 +6,8 @@ a requested handle type is the one used, and one the GPU cannot use is refused a
 import pytest
 import torch
 
-from engram_ray.layout import EngramLayout
-from engram_ray.peer.local_group import check_member, file_barrier, run_group
+from engram_ray.model.layout import EngramLayout
+from engram_ray.tables.local_group import check_member, file_barrier, run_group
 
 # 24 columns of ~400K-row buckets: 9.6M rows of 264 bytes per table (2.4 GiB), 1.2 GiB a slice.
 MEDIUM = EngramLayout(layer_ids=(1, 14), vocab_size=400_000, max_ngram_size=4, n_heads=8,
@@ -85,9 +85,9 @@ def test_single_gpu_group_uses_the_requested_posix_fd(tmp_path):
 
 def member_requesting_unusable(rank, layout, store_dir):
     """Request a handle type this GPU cannot use (if there is one); what the backend said."""
-    from engram_ray.peer import cuda_driver as drv
-    from engram_ray.peer.base import PeerMemoryError
-    from engram_ray.peer.handle_types import HANDLE_TYPES
+    from engram_ray.tables.backends import cuda_driver as drv
+    from engram_ray.tables.backends.base import PeerMemoryError
+    from engram_ray.tables.backends.handle_types import HANDLE_TYPES
 
     torch.cuda.set_device(rank)
     drv.use_device(rank)

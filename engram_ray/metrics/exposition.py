@@ -1,0 +1,182 @@
+"""Exposition of engram-ray metrics: a `/metrics` HTTP endpoint per engine process, the
+Prometheus file_sd target list, the HTTP service-discovery endpoint (`TargetsServer`), and the
+hook that gives vLLM's model process (where lookups run) its own endpoint. Series are defined in
+`engram_ray.metrics.engine`.
+
+Ports (`serving.metrics_port`): 0 gives every endpoint a free port, found through the file_sd
+list or the HTTP service discovery. A base port P > 0 gives the engine in slot s of its node
+(the coordinator hands out slots 0, 1, ... per node: one engine per GPU) two fixed, named
+ports, the same on every node, for a Kubernetes container port list and a PodMonitor:
+
+    P + 2s      engram-<s>        the Serve replica's endpoint (engram_* and vllm:* series)
+    P + 2s + 1  engram-<s>-model  vLLM's model process: the lookups (engram_lookup_*)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from engram_ray.errors import ConfigError
+from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
+
+DEFAULT_BIND_ADDRESS = "127.0.0.1"
+# vLLM `additional_config` key telling the model process where to report lookups.
+PROCESS_METRICS_KEY = "engram_metrics"
+METRICS_PORT_FIX = ("another serving.metrics_port (base port P: the engine in slot s of a node "
+                    "binds P + 2s and P + 2s + 1), or 0 (free ports, found through file_sd or "
+                    "serving.http_sd_port)")
+ENDPOINTS = ("replica", "model")  # the two endpoints of one engine, in port order
+
+
+def metrics_port(base: int, slot: int, endpoint: str) -> int:
+    """Fixed port of `endpoint` ('replica' or 'model') of the engine in `slot` of its node;
+    0 (a free port) when `base` is 0."""
+    return base + 2 * slot + ENDPOINTS.index(endpoint) if base else 0
+
+
+def port_name(slot: int, endpoint: str) -> str:
+    """Kubernetes port name of that endpoint (at most 15 characters: slots up to 99)."""
+    return f"engram-{slot}" if endpoint == "replica" else f"engram-{slot}-model"
+
+
+class _ProcessRegistry:
+    """Collector forwarding the process's default registry (vLLM's `vllm:*` series)."""
+
+    def collect(self):
+        return REGISTRY.collect()
+
+
+class MetricsServer:
+    """`/metrics` over HTTP for one or more registries; port 0 picks a free port."""
+
+    def __init__(self, registries, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0,
+                 include_process_registry: bool = True, advertise_host: str | None = None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        for registry in registries:
+            self.registry.register(registry)
+        if include_process_registry:
+            self.registry.register(_ProcessRegistry())
+        try:
+            self._server, self._thread = start_http_server(port, addr=bind_address,
+                                                           registry=self.registry)
+        except OSError as exc:
+            if not port or exc.errno != errno.EADDRINUSE:
+                raise
+            # A fixed port comes from serving.metrics_port (base + 2 * slot [+ 1]).
+            raise ConfigError("serving.metrics_port", f"gives this engine port {port}, but "
+                              f"{bind_address}:{port} is taken on this node (by an engine "
+                              "that has not stopped yet, or another program)",
+                              METRICS_PORT_FIX) from exc
+        self.bind_address, self.advertise_host = bind_address, advertise_host
+        self.port = self._server.server_port
+
+    @property
+    def target(self) -> str:
+        """`host:port` for Prometheus: the bind address, or `advertise_host` (this node's IP)
+        when bound to all addresses."""
+        host = self.bind_address
+        if host in ("0.0.0.0", "::", ""):
+            host = self.advertise_host or "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def target_groups(targets: dict[str, dict]) -> list[dict]:
+    """Prometheus target groups (the file_sd and http_sd format) of `targets`: key ->
+    {"target": "host:port", "labels": {...}}; one group per target so each keeps its labels."""
+    return [{"targets": [entry["target"]], "labels": dict(entry.get("labels", {}))}
+            for _, entry in sorted(targets.items())]
+
+
+def write_file_sd(path: str, targets: dict[str, dict]) -> None:
+    """Write a Prometheus file_sd list atomically (`target_groups`). Prometheus re-reads the
+    file on change (inotify), no restart."""
+    groups = target_groups(targets)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_sd.", suffix=".json")
+    with os.fdopen(fd, "w") as out:
+        json.dump(groups, out, indent=1)
+    os.replace(tmp, path)
+
+
+class TargetsServer:
+    """Prometheus HTTP service discovery (`http_sd_configs`): GET `/targets` answers the
+    target groups `get_groups()` returns, as JSON; anything else is a 404. Port 0 picks a free
+    port. Runs in a daemon thread of its owner (the coordinator)."""
+
+    PATH = "/targets"
+
+    def __init__(self, get_groups, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path.split("?")[0] != TargetsServer.PATH:
+                    self.send_error(404, f"only {TargetsServer.PATH}")
+                    return
+                body = json.dumps(get_groups()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # Prometheus asks every refresh_interval
+                pass
+
+        try:
+            self._server = http.server.ThreadingHTTPServer((bind_address, port), Handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ConfigError("serving.http_sd_port", f"is {port}, but {bind_address}:{port} "
+                              "is taken on the head node", "another port, or 0 for none"
+                              ) from exc
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="engram-http-sd")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_process_metrics(additional_config) -> EngineMetrics | None:
+    """In vLLM's model process (where lookups run): this engine's metrics on their own
+    `/metrics` endpoint, whose `host:port` is written to `target_file` so the Serve replica
+    registers it as a Prometheus target. None when `additional_config` has no
+    `engram_metrics` entry (the engine was not started by the Serve app).
+
+    `additional_config["engram_metrics"]`: model, engine, peer_group, rank, bind_address,
+    advertise_host, target_file, port (fixed, or 0/absent for a free one). Feed lookups with `metered_lookup(metrics, tables, ...)`.
+    """
+    raw = (additional_config or {}).get(PROCESS_METRICS_KEY)
+    if not raw:
+        return None
+    metrics = EngineMetrics(EngineIdentity(raw["model"], raw["engine"], raw["peer_group"],
+                                           int(raw["rank"])))
+    metrics.server = MetricsServer([metrics.registry], raw.get("bind_address",
+                                                               DEFAULT_BIND_ADDRESS),
+                                   int(raw.get("port") or 0), include_process_registry=False,
+                                   advertise_host=raw.get("advertise_host"))
+    directory = os.path.dirname(os.path.abspath(raw["target_file"]))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_target.")
+    with os.fdopen(fd, "w") as out:
+        json.dump({"target": metrics.server.target, "pid": os.getpid()}, out)
+    os.replace(tmp, raw["target_file"])
+    return metrics

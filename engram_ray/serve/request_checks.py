@@ -1,0 +1,187 @@
+"""Checks of one OpenAI request body before it reaches an engine: pure functions.
+
+    check_content_type(value)                  415 unless application/json (UTF-8)
+    parse_body(raw) -> dict                    400: not UTF-8, not JSON, not an object,
+                                               a number outside float range, NaN/Infinity,
+                                               a string UTF-8 cannot encode (lone surrogate)
+    check_request(endpoint, body, limits)      400: no model; over a cap (naming it and its
+                                               limit)
+
+Each failure raises `RequestRefused(status, message, param)`; `param` is the field path
+("messages[0].content", "stop[2]").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from engram_ray.serve.config import RequestLimits
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# Every POST route of Ray Serve LLM's OpenAI ingress that takes a JSON body
+# (ray.llm._internal.serve.core.ingress.ingress.DEFAULT_ENDPOINTS; transcriptions is a form).
+JSON_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/embeddings", "/v1/score", "/tokenize", "/detokenize")
+VLLM_DEFAULT_COMPLETION_TOKENS = 16  # CompletionRequest.max_tokens when the client sends none
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class RequestRefused(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def check_content_type(value: str | None) -> None:
+    if not value:
+        raise RequestRefused(415, "The request has no Content-Type; send the JSON body with "
+                                  "Content-Type: application/json.")
+    media_type, _, params = value.partition(";")
+    charset = re.search(r"charset\s*=\s*\"?([\w-]+)", params, re.IGNORECASE)
+    if media_type.strip().lower() != "application/json" or (
+            charset and charset.group(1).lower() not in ("utf-8", "utf8")):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise RequestRefused(415, f"Content-Type {shown!r} is not supported; send the JSON "
+                                  "body with Content-Type: application/json.")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request's JSON object; numbers outside float range and strings that cannot be
+    encoded are refused with their field path."""
+    is_odd_number = []
+
+    def parse_float(text):
+        value = float(text)
+        if not math.isfinite(value):
+            is_odd_number.append(text)
+        return value
+
+    def parse_constant(text):  # NaN, Infinity, -Infinity: not JSON, Python accepts them
+        is_odd_number.append(text)
+        return math.nan
+
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_float=parse_float,
+                          parse_constant=parse_constant)
+    except UnicodeDecodeError as exc:
+        raise RequestRefused(400, f"The body is not valid UTF-8 (byte {exc.start}).") from None
+    except RecursionError:
+        raise RequestRefused(400, "The JSON body is nested too deeply.") from None
+    except ValueError as exc:  # json.JSONDecodeError, or an integer of more than 4300 digits
+        where = f" (line {exc.lineno}, column {exc.colno})" if hasattr(exc, "lineno") else ""
+        raise RequestRefused(400, f"The body is not valid JSON{where}: "
+                                  f"{str(getattr(exc, 'msg', 'integer too long'))[:80]}.") \
+            from None
+    if not isinstance(body, dict):
+        raise RequestRefused(400, f"The body must be a JSON object, not {_kind(body)}.")
+    if is_odd_number or _SURROGATE_ESCAPE.search(raw):
+        _check_values(body)
+    return body
+
+
+def _check_values(body: dict) -> None:
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestRefused(400, f"{path} is not a finite number (JSON numbers must be "
+                                      "within the float range; NaN and Infinity are not JSON).",
+                                 path)
+        if isinstance(value, str) and not _encodes(value):
+            raise RequestRefused(400, f"{path} holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                                      "without its pair), which no text can contain.", path)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodes(key):
+                    raise RequestRefused(400, f"A key in {path or 'the body'} holds a lone "
+                                              "UTF-16 surrogate.", path or None)
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _kind(value) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def check_request(endpoint: str, body: dict, limits: RequestLimits) -> None:
+    """/v1/completions and /v1/chat/completions: `model` given (OpenAI requires it; Ray's
+    ingress would pick the only model for a client that forgot it) and the caps of `limits`."""
+    if endpoint not in (COMPLETIONS, CHAT):
+        return
+    if body.get("model") is None:
+        raise RequestRefused(400, "model is required (the model id, as /v1/models lists it).",
+                             "model")
+    n = _integer(body, "n", 1, limits.max_n, "max_n")
+    if endpoint == COMPLETIONS:
+        token_field = "max_tokens"
+        num_prompts = _num_prompts(body.get("prompt"), limits)
+        _integer(body, "logprobs", 0, limits.max_logprobs, "max_logprobs")
+    else:
+        token_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        num_prompts = 1
+        _integer(body, "top_logprobs", 0, limits.max_logprobs, "max_logprobs")
+    _integer(body, "prompt_logprobs", 0, limits.max_logprobs, "max_logprobs")
+    max_tokens = _integer(body, token_field, 1, None, None)
+    if max_tokens is None and endpoint == COMPLETIONS:
+        max_tokens = VLLM_DEFAULT_COMPLETION_TOKENS
+    generated = num_prompts * (n or 1) * (max_tokens or 0)
+    if generated > limits.max_generated_tokens:
+        raise RequestRefused(
+            400, f"The request asks for up to {generated} generated tokens (prompts "
+                 f"{num_prompts} x n {n or 1} x {token_field} {max_tokens}), over the "
+                 f"server's limit max_generated_tokens = {limits.max_generated_tokens}; "
+                 f"lower {token_field} or n.", token_field)
+    _check_stop(body.get("stop"), limits)
+
+
+def _integer(body: dict, name: str, minimum: int, maximum: int | None,
+             cap: str | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestRefused(400, f"{name} must be an integer, not {_kind(value)}.", name)
+    if value < minimum:
+        raise RequestRefused(400, f"{name} must be at least {minimum}, got {value}.", name)
+    if maximum is not None and value > maximum:
+        raise RequestRefused(400, f"{name} is {value}, over the server's limit {cap} = "
+                                  f"{maximum}.", name)
+    return value
+
+
+def _num_prompts(prompt, limits: RequestLimits) -> int:
+    # A list of strings or of token-id lists is a batch; a list of ints is one tokenized prompt.
+    is_batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    num_prompts = len(prompt) if is_batch else 1
+    if num_prompts > limits.max_prompts:
+        raise RequestRefused(400, f"prompt holds {num_prompts} prompts, over the server's "
+                                  f"limit max_prompts = {limits.max_prompts}.", "prompt")
+    return num_prompts
+
+
+def _check_stop(stop, limits: RequestLimits) -> None:
+    entries = [stop] if isinstance(stop, str) else stop
+    if not isinstance(entries, list):
+        return  # null or a wrong type: the request model refuses the latter
+    if len(entries) > limits.max_stop_sequences:
+        raise RequestRefused(400, f"stop holds {len(entries)} entries, over the server's "
+                                  f"limit max_stop_sequences = {limits.max_stop_sequences}.",
+                             "stop")
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and len(entry) > limits.max_stop_chars:
+            raise RequestRefused(400, f"stop[{i}] is {len(entry)} characters long, over the "
+                                      f"server's limit max_stop_chars = "
+                                      f"{limits.max_stop_chars}.", "stop")

@@ -1,0 +1,230 @@
+"""GPU backend: slices in CUDA virtual memory (cuMemCreate + cuMemAddressReserve + cuMemMap +
+cuMemSetAccess), exported as FABRIC handles (IMEX) or POSIX file descriptors (one host).
+
+Allocation requests every handle type this process can use (`usable_handle_types`: FABRIC only
+after a trial allocation succeeds), or only the requested one (`handle_type`; `cross_node`
+requests FABRIC), failing at construction when this GPU cannot use the request; the group's
+type is the request every member made, else the first type every member offers, so all
+members decide alike from the rendezvous records (`engram_ray.tables.backends.handle_types`). POSIX FDs are
+taken from the exporter with pidfd_getfd; the exporter closes its fds once every peer has
+mapped. Peer slices are mapped with access for this GPU; `peer_bases` is the `[P]` int64 device
+tensor of every rank's slice base, own included, that the lookup kernel reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engram_ray.tables.backends import cuda_driver as drv
+from engram_ray.tables.backends.base import PeerMemory, PeerMemoryError, host_identity
+from engram_ray.tables.backends.handle_types import choose_handle_type, offered_types, requested_type
+from engram_ray.tables.backends.pidfd import allow_fd_takers, pidfd_getfd
+
+
+class _DeviceArray:
+    """Exposes `[num_rows, row_bytes]` uint8 at a device address to torch.as_tensor."""
+
+    def __init__(self, address: int, num_rows: int, row_bytes: int):
+        self.__cuda_array_interface__ = {"shape": (num_rows, row_bytes), "typestr": "|u1",
+                                         "data": (address, False), "strides": None,
+                                         "version": 3}
+
+
+class _Mapping:
+    """One mapped allocation: `handle` mapped at `address` for `nbytes` (granule multiple)."""
+
+    def __init__(self, handle, address: int, nbytes: int):
+        self.handle, self.address, self.nbytes = handle, address, nbytes
+
+    def release(self) -> None:
+        cu = drv.driver()
+        drv.check(cu.cuMemUnmap(self.address, self.nbytes), "cuMemUnmap")
+        drv.check(cu.cuMemAddressFree(self.address, self.nbytes), "cuMemAddressFree")
+        drv.check(cu.cuMemRelease(self.handle), "cuMemRelease")
+
+
+class CudaPeerMemory(PeerMemory):
+    name = "cuda"
+
+    def __init__(self, *, rank: int, size: int, device: str = "cuda", tag: str,
+                 handle_type: str | None = None, cross_node: bool = False):
+        """`handle_type`: offer only this type ("fabric" | "posix_fd"; None: every usable
+        one); `cross_node`: the group spans hosts, so only FABRIC. Raises PeerMemoryError
+        when this GPU cannot use what is asked (see `offered_types`)."""
+        super().__init__(rank=rank, size=size, device=device, tag=tag)
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise PeerMemoryError(f"the cuda backend needs a CUDA device, not {device!r}")
+        self.requested = requested_type(handle_type, cross_node)  # published at rendezvous
+        self.device_idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        drv.use_device(self.device_idx)
+        try:
+            self.offered = offered_types(drv.usable_handle_types(self.device_idx),
+                                         self.requested, self.device_idx)
+        except PeerMemoryError:
+            drv.driver().cuDevicePrimaryCtxRelease(self.device_idx)  # no close() will follow
+            raise
+        if "posix_fd" in self.offered:
+            allow_fd_takers()
+        self._own: dict[int, _Mapping] = {}
+        self._shapes: dict[int, tuple[int, int]] = {}
+        self._exported_fds: dict[int, int] = {}
+        self._peers: dict[int, dict[int, _Mapping]] = {}
+        self._bases: dict[int, torch.Tensor] = {}
+        self._chosen = ""
+
+    @property
+    def handle_type(self) -> str:
+        return self._chosen or "/".join(self.offered)
+
+    def _access_desc(self):
+        cu = drv.driver()
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device_idx
+        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return desc
+
+    def _map(self, handle, nbytes: int, alignment: int) -> _Mapping:
+        """Reserve, map and enable access for this GPU; on failure nothing stays held."""
+        cu = drv.driver()
+        try:
+            address = int(drv.check(cu.cuMemAddressReserve(nbytes, alignment, 0, 0),
+                                    "cuMemAddressReserve"))
+        except PeerMemoryError:
+            cu.cuMemRelease(handle)
+            raise
+        try:
+            drv.check(cu.cuMemMap(address, nbytes, 0, handle, 0), "cuMemMap")
+        except PeerMemoryError:
+            cu.cuMemAddressFree(address, nbytes)
+            cu.cuMemRelease(handle)
+            raise
+        mapping = _Mapping(handle, address, nbytes)
+        try:
+            drv.check(cu.cuMemSetAccess(address, nbytes, [self._access_desc()], 1),
+                      "cuMemSetAccess")
+        except PeerMemoryError:
+            mapping.release()
+            raise
+        return mapping
+
+    def allocate(self, key: int, num_rows: int, row_bytes: int) -> torch.Tensor:
+        cu = drv.driver()
+        prop = drv.allocation_prop(self.device_idx, list(self.offered))
+        granule = drv.granularity(prop)
+        nbytes = -(-num_rows * row_bytes // granule) * granule
+        err, handle = cu.cuMemCreate(nbytes, prop, 0)
+        if int(err) != 0:
+            raise PeerMemoryError(f"cuMemCreate of {nbytes / 2**30:.2f} GiB on GPU "
+                                  f"{self.device_idx} for table {key} failed: "
+                                  f"{drv.error_name(err)}")
+        self._own[key] = self._map(handle, nbytes, granule)
+        self._shapes[key] = (num_rows, row_bytes)
+        self._peers[key] = {}
+        return self._tensor(self._own[key].address, num_rows, row_bytes)
+
+    def _tensor(self, address: int, num_rows: int, row_bytes: int) -> torch.Tensor:
+        with torch.cuda.device(self.device_idx):
+            return torch.as_tensor(_DeviceArray(address, num_rows, row_bytes),
+                                   device=f"cuda:{self.device_idx}")
+
+    def describe(self) -> dict:
+        torch.cuda.synchronize(self.device_idx)  # fills are done before peers read
+        handles = {}
+        for key, mapping in self._own.items():
+            handles[str(key)] = {"nbytes": mapping.nbytes, "shape": list(self._shapes[key]),
+                                 **self._export(key, mapping)}
+        uuid = str(torch.cuda.get_device_properties(self.device_idx).uuid)
+        return dict(host_identity(), gpu_uuid=uuid, handle_types=list(self.offered),
+                    handle_request=self.requested, handles=handles)
+
+    def _export(self, key: int, mapping: _Mapping) -> dict:
+        cu = drv.driver()
+        out = {}
+        for kind in self.offered:
+            shareable = drv.check(cu.cuMemExportToShareableHandle(
+                mapping.handle, drv.handle_type_enum(kind), 0), f"export ({kind})")
+            if kind == "posix_fd":
+                self._exported_fds[key] = out["posix_fd"] = int(shareable)
+            else:
+                out["fabric"] = bytes(shareable.data).hex()
+        return out
+
+    def map_peers(self, records: list[dict]) -> None:
+        gpus = [(r["host"], r["gpu_uuid"]) for r in records]
+        if len(set(gpus)) != len(gpus):
+            raise PeerMemoryError(f"two members of the group use one GPU ({gpus}): give each "
+                                  "member its own GPU (one engine per GPU)")
+        self._chosen = choose_handle_type(records)
+        for record in records:
+            if record["rank"] == self.rank:
+                continue
+            for key_text, handle in record["handles"].items():
+                imported = self._import(record, handle)
+                self._peers[int(key_text)][record["rank"]] = self._map(
+                    imported, handle["nbytes"], 0)
+
+    def _import(self, record: dict, handle: dict):
+        cu = drv.driver()
+        kind = drv.handle_type_enum(self._chosen)
+        if self._chosen == "posix_fd":
+            fd = pidfd_getfd(record["pid"], handle["posix_fd"])
+            try:
+                return drv.check(cu.cuMemImportFromShareableHandle(fd, kind),
+                                 f"import of rank {record['rank']}'s slice")
+            finally:
+                os.close(fd)  # the imported handle keeps the allocation alive
+        fabric = cu.CUmemFabricHandle()
+        fabric.data = bytes.fromhex(handle["fabric"])
+        return drv.check(cu.cuMemImportFromShareableHandle(fabric, kind),
+                         f"FABRIC import of rank {record['rank']}'s slice")
+
+    def after_rendezvous(self) -> None:
+        for fd in self._exported_fds.values():
+            os.close(fd)
+        self._exported_fds.clear()
+
+    def slices(self, key: int) -> list[torch.Tensor]:
+        """For inspection: lookups read through `peer_bases`. torch attributes a peer's
+        tensor to the device that holds its memory."""
+        num_rows, row_bytes = self._shapes[key]
+        own = self._own[key]
+        return [self._tensor(own.address if r == self.rank else self._peers[key][r].address,
+                             num_rows, row_bytes) for r in range(self.size)]
+
+    def peer_bases(self, key: int) -> torch.Tensor:
+        if key not in self._bases:
+            addresses = [self._own[key].address if r == self.rank
+                         else self._peers[key][r].address for r in range(self.size)]
+            self._bases[key] = torch.tensor(addresses, dtype=torch.int64,
+                                            device=f"cuda:{self.device_idx}")
+        return self._bases[key]
+
+    def allocated_bytes(self, key: int) -> int:
+        return self._own[key].nbytes
+
+    def close(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        # Release everything even if one step fails (a failed peer unmap must not strand
+        # tens of GiB of own slices), then raise the first error.
+        errors = []
+        steps = [lambda: torch.cuda.synchronize(self.device_idx), self._bases.clear,
+                 self.after_rendezvous]
+        steps += [m.release for peers in self._peers.values() for m in peers.values()]
+        steps += [m.release for m in self._own.values()]
+        steps.append(lambda: drv.check(drv.driver().cuDevicePrimaryCtxRelease(self.device_idx),
+                                       "cuDevicePrimaryCtxRelease"))
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 (re-raised below)
+                errors.append(exc)
+        self._peers.clear()
+        self._own.clear()
+        if errors:
+            raise errors[0]

@@ -1,0 +1,143 @@
+"""Run the members of a peer group as local processes, and check one member's lookups.
+
+Serves the CPU and GPU tests and the benchmarks alike: `run_group` starts one process per rank
+(forkserver by default: each member starts clean, as with spawn, but forks from a server that
+imported torch once, so a group of 8 starts in a second instead of 8 torch imports), returns
+each member's result or its traceback;
+`check_member` opens the member's tables from the synthetic generator and compares lookups of
+random row ids with the torch reference over the same rows (`torch.equal`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engram_ray.model.layout import EngramLayout
+from engram_ray.model.reference import lookup_reference
+from engram_ray.model.synthetic import synthetic_rows
+from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+
+
+@dataclass(frozen=True)
+class MemberResult:
+    rank: int
+    is_ok: bool
+    value: object        # the target's return value, or the traceback text
+    seconds: float
+
+
+def _member_main(target, rank, args, env, num_threads, results) -> None:
+    start = time.perf_counter()
+    os.environ.update(env)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        results.put((rank, True, target(rank, *args), time.perf_counter() - start))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which decides
+        results.put((rank, False, traceback.format_exc(), time.perf_counter() - start))
+
+
+def run_group(target: Callable, ranks: list[int], args: tuple = (), *,
+              env: dict[str, str] | None = None, timeout_s: float = 120.0,
+              start_method: str = "forkserver",
+              num_threads: int | None = 1) -> list[MemberResult]:
+    """Call `target(rank, *args)` in one new process per rank; results sorted by rank.
+
+    `env` is applied in each member (a forkserver's children see the server's environment,
+    not the caller's current one). `num_threads`: torch CPU threads per member (1: P members
+    on a few cores would otherwise spin P x cores OpenMP threads against each other). A
+    process that dies without a result (or outlives `timeout_s`) gets `is_ok=False`."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", __name__, target.__module__])
+    results = ctx.Queue()
+    procs = {r: ctx.Process(target=_member_main, args=(target, r, args, env or {}, num_threads,
+                                                             results),
+                            daemon=True) for r in ranks}
+    for proc in procs.values():
+        proc.start()
+    found, deadline = {}, time.monotonic() + timeout_s
+    while len(found) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, is_ok, value, seconds = results.get(timeout=0.2)
+            found[rank] = MemberResult(rank, is_ok, value, seconds)
+        except queue.Empty:
+            if all(not p.is_alive() for r, p in procs.items() if r not in found):
+                break
+    for rank, proc in procs.items():
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        found.setdefault(rank, MemberResult(rank, False, f"exit code {proc.exitcode}", 0.0))
+    return [found[r] for r in sorted(found)]
+
+
+def file_barrier(directory: str, name: str, rank: int, ranks: list[int],
+                 timeout_s: float = 120.0) -> None:
+    """Wait until every rank in `ranks` has reached barrier `name` (files in `directory`)."""
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, f"{name}-{rank}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(directory, f"{name}-{r}")) for r in ranks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name}: not every rank of {ranks} arrived")
+        time.sleep(0.02)
+
+
+def expected_rows(row_ids: torch.Tensor, head_dim: int, seed: int = 0,
+                  out: str = "packed") -> torch.Tensor:
+    """Reference lookup of synthetic rows at `row_ids` `[T, C]`, generating only those rows."""
+    valid = row_ids[row_ids >= 0]
+    unique = torch.unique(valid)
+    rows = torch.cat([synthetic_rows(int(u), int(u) + 1, head_dim, seed, row_ids.device)
+                      for u in unique.tolist()] or
+                     [synthetic_rows(0, 0, head_dim, seed, row_ids.device)])
+    local = torch.where(row_ids >= 0, torch.searchsorted(unique, row_ids.clamp(min=0)), -1)
+    return lookup_reference(rows, local, head_dim, out)
+
+
+def random_row_ids(num_rows: int, shape: tuple[int, int], seed: int,
+                   device: str = "cpu") -> torch.Tensor:
+    """Random ids in [0, num_rows) with about 5% -1 (no row), always the first and last row."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_rows, shape, generator=gen)
+    ids[torch.rand(shape, generator=gen) < 0.05] = -1
+    ids.view(-1)[:2] = torch.tensor([0, num_rows - 1])
+    return ids.to(device)
+
+
+def check_member(rank: int, layout: EngramLayout, size: int, store_dir: str, generation: str,
+                 backend: str = "shm", device: str = "cpu", seed: int = 0,
+                 num_tokens: int = 64, timeout_s: float = 30.0,
+                 start_barrier: str | None = None, handle_type: str | None = None) -> dict:
+    """Open this rank's tables, compare lookups of random ids with the reference; stats.
+    `start_barrier`: a folder where all members first wait for each other (benchmarks);
+    `handle_type`: the type this member requests (cuda backend; None: the group chooses)."""
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    spec = PeerGroupSpec(size=size, rank=rank, store_dir=store_dir, generation=generation,
+                         timeout_s=timeout_s, handle_type=handle_type)
+    if start_barrier:
+        file_barrier(start_barrier, "start", rank, list(range(size)))
+    tables = open_group_tables(layout, spec, backend=backend, device=device, seed=seed)
+    try:
+        checks = {}
+        for layer_id, num_rows in zip(layout.layer_ids, layout.rows_per_table):
+            ids = random_row_ids(num_rows, (num_tokens, layout.num_cols), seed + rank, device)
+            checks[layer_id] = all(
+                torch.equal(tables.lookup(layer_id, ids, out),
+                            expected_rows(ids, layout.head_dim, seed, out))
+                for out in ("packed", "bf16"))
+        return {"stats": tables.stats(), "equal": checks}
+    finally:
+        tables.close()
