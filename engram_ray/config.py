@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engram_ray.errors import ConfigError
+from engram_ray.tables import BACKENDS, FILLS
 
-TABLE_BACKENDS = ("shm", "cuda")
-FILLS = ("synthetic", "checkpoint")
 DEFAULT_DOMAIN_LABEL_KEY = "engram.io/nvlink-domain"
 
 
@@ -144,7 +143,7 @@ class DeploymentConfig(_Section):
         for name in ("rendezvous_timeout_s", "placement_timeout_s", "health_check_interval_s"):
             _check_number(name, getattr(self, name), minimum=0, exclusive=True)
         _check_number("num_cpus_per_engine", self.num_cpus_per_engine, minimum=0)
-        _check_choice("table_backend", self.table_backend, TABLE_BACKENDS)
+        _check_choice("table_backend", self.table_backend, tuple(BACKENDS))
         if self.handle_type is not None:
             from engram_ray.tables.backends.handle_types import HANDLE_TYPES
             _check_choice("handle_type", self.handle_type, HANDLE_TYPES)

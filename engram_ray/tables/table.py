@@ -24,11 +24,9 @@ from engram_ray.tables.backends.base import PeerMemory
 from engram_ray.tables.backends.handle_types import check_handle_request
 from engram_ray.planning.memory import rows_per_rank, slice_range
 from engram_ray.model.reference import row_bytes_for
+from engram_ray.tables import BACKENDS, FILLS
 from engram_ray.tables.rendezvous import Rendezvous
 
-BACKENDS = {"shm": "engram_ray.tables.backends.shm:ShmPeerMemory",
-            "cuda": "engram_ray.tables.backends.cuda:CudaPeerMemory"}
-FILLS = ("synthetic", "checkpoint")
 _GENERATION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from engram_ray.errors import ConfigError
+from engram_ray.tables import BACKENDS
 from engram_ray.tables.backends.handle_types import check_handle_request
 
 ADDITIONAL_CONFIG_KEY = "engram_peer_group"
-BACKENDS = ("shm", "cuda")
 _REQUIRED = ("size", "store", "rank", "generation")
 _OPTIONAL = ("timeout_s", "backend", "cross_node", "handle_type")
 
