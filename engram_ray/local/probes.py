@@ -61,6 +61,7 @@ def _json(doc) -> bytes:
 
 
 def probe_table(model_id: str, limits: RequestLimits | None = None) -> list[Probe]:
+    # Long by design: one line per probe, the whole table readable in one place.
     lim = limits or RequestLimits()
     good = {"model": model_id, "prompt": "The river", "max_tokens": 4}
     chat = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
