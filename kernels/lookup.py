@@ -103,8 +103,7 @@ def engram_lookup(row_ids: torch.Tensor, *, head_dim: int, table: torch.Tensor |
     Returns on `out_device` (default: row_ids', peer_bases' or table's CUDA device):
     uint8 `[num_tokens, num_cols, row_bytes]` or bf16 `[num_tokens, num_cols, head_dim]`.
     block_rows / programs_per_sm / num_warps / prefetch: None = the measured policy
-    (`choose_block_rows`, `TILE_CONFIGS`); prefetch=True replaces a pipelined launch's
-    cp.async stages (`TileConfig.num_stages`) by the register prefetch.
+    (`choose_block_rows`, `TILE_CONFIGS`).
     sort_rows: None = policy (`SORT_MIN_ROWS`; the output is identical either way).
     into: optional preallocated output (contiguous, the shape and dtype above) to write.
     check_ids: refuse ids outside [-1, table rows) (peer: rows_per_rank x P) with a ValueError

@@ -28,64 +28,50 @@ def _engram_lookup_kernel(
     IS_BF16: tl.constexpr,
     PREFETCH: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # gcd(ROW_BYTES, 8): 8 for 264-byte rows (8-byte vector loads)
-    LOAD_CACHE: tl.constexpr = "",   # table loads' cache modifier ("" or ".cg": L2 only)
-    LOAD_EVICT: tl.constexpr = "",   # table loads' L2 eviction policy ("" or "evict_first")
-    STORE_CACHE: tl.constexpr = "",  # output stores' cache modifier ("" or ".cs": streaming)
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
     SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = loads cut at a sector / line
-    NUM_STAGES: tl.constexpr = 0,    # > 1: tiles in flight through cp.async (not with PREFETCH)
     IDS_COLS: tl.constexpr = 0,      # > 0: ids are [T, IDS_COLS] with a token stride (a view)
-    TABLE_LAYOUT: tl.constexpr = 0,  # tables: 0 packed, 1 split (rows_per_rank = scales offset),
-                                     # 2 pages (lookup_tiles.load_tile); not with SPLIT_WORDS
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
-    tl.static_assert(SPLIT_WORDS == 0 or TABLE_LAYOUT == 0)
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
     if SPLIT_WORDS:
         if PREFETCH:
             dst, in_range, head_words, head, body = load_tile_split(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
-                IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS, ids_stride,
-                IDS_COLS)
+                IS_SORTED, ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS)
             for _ in tl.range(tile, num_tiles, num_programs):
                 tile += num_programs  # past the end: every load of the tile is masked off
                 next_dst, next_in_range, next_head_words, next_head, next_body = \
                     load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
-                                    BLOCK_R, IS_PEER, IS_SORTED, LOAD_CACHE, LOAD_EVICT,
-                                    ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS)
+                                    BLOCK_R, IS_PEER, IS_SORTED, ROWS_32, SPLIT_WORDS,
+                                    ids_stride, IDS_COLS)
                 store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
                                  SPLIT_WORDS)
                 dst, in_range, head_words = next_dst, next_in_range, next_head_words
                 head, body = next_head, next_body
         else:
-            for tile in tl.range(tile, num_tiles, num_programs, num_stages=NUM_STAGES or None):
+            for tile in tl.range(tile, num_tiles, num_programs):
                 dst, in_range, head_words, head, body = load_tile_split(
                     src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
-                    IS_SORTED, LOAD_CACHE, LOAD_EVICT, ROWS_32, SPLIT_WORDS, ids_stride,
-                IDS_COLS)
+                    IS_SORTED, ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS)
                 store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
                                  SPLIT_WORDS)
     elif PREFETCH:
         dst, in_range, values, word = load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32, ids_stride,
-            IDS_COLS, TABLE_LAYOUT)
+            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
             next_dst, next_in_range, next_values, next_word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32, ids_stride,
-            IDS_COLS, TABLE_LAYOUT)
-            store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
-                       STORE_CACHE)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS)
+            store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
     else:
-        for tile in tl.range(tile, num_tiles, num_programs, num_stages=NUM_STAGES or None):
+        for tile in tl.range(tile, num_tiles, num_programs):
             dst, in_range, values, word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, LOAD_CACHE, LOAD_EVICT, ROWS_32, ids_stride,
-            IDS_COLS, TABLE_LAYOUT)
-            store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN,
-                       STORE_CACHE)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS)
+            store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)

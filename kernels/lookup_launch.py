@@ -26,7 +26,6 @@ import inspect
 import math
 
 import torch
-import triton
 
 from engram_ray.tables.backends.host_memory import is_huge_page_backed
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel
@@ -36,10 +35,6 @@ from engram_ray.kernels.lookup_policy import (ORDER_BY, SORT_MIN_ROWS, TILE_POLI
 from engram_ray.model.reference import row_bytes_for
 
 OUT_DTYPES = {torch.uint8: "packed", torch.bfloat16: "bf16"}
-# Table layouts (the kernel's TABLE_LAYOUT): packed rows, split values + scales (vLLM's own),
-# packed rows none of which crosses a 4 KiB page (lookup_tiles.load_tile).
-TABLE_LAYOUTS = {"packed": 0, "split": 1, "pages": 2}
-PAGE_BYTES = 4096
 MAX_ROWS_PER_LAUNCH = 1 << 30
 _PARAMS = inspect.signature(_engram_lookup_kernel.fn).parameters
 _RUNTIME_ARGS = 8  # src, row_ids, dst_rows, out, num_rows, rows_per_rank, num_programs, ids_stride
@@ -87,55 +82,6 @@ def check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted=False
         if not rows_per_rank or rows_per_rank < 1:
             raise ValueError(f"rows_per_rank is {rows_per_rank!r}; expected a positive int "
                              "with peer_bases")
-
-
-def page_rows(row_bytes: int) -> tuple[int, int]:
-    """(rows per 4 KiB page, row stride) of the "pages" layout: packed rows, the page's tail
-    left over."""
-    return PAGE_BYTES // row_bytes, row_bytes
-
-
-def check_layout(head_dim: int, layout: str, table: torch.Tensor | None,
-                 scales: torch.Tensor | None, is_interpreted: bool = False) -> None:
-    """ValueError naming what is wrong with a table of a non-packed layout
-    (`is_interpreted`: CPU tensors for Triton's interpreter)."""
-    if layout not in TABLE_LAYOUTS:
-        raise ValueError(f"layout is {layout!r}; expected one of {tuple(TABLE_LAYOUTS)}")
-    if layout == "packed":
-        if scales is not None:
-            raise ValueError("scales= goes with split tables (layout='split')")
-        return
-    if table is None:
-        raise ValueError(f"layout {layout!r} is for tables (table=), not peer slices")
-    if head_dim // 32 not in SCALE_WORDS or head_dim % 32:
-        raise ValueError(f"head_dim is {head_dim}; the kernel supports "
-                         f"{sorted(32 * n for n in SCALE_WORDS)}")
-    if layout == "pages":
-        if scales is not None:
-            raise ValueError("layout 'pages' takes no scales=")
-        if (table.dtype != torch.uint8 or table.dim() != 2 or table.shape[1] != PAGE_BYTES
-                or not table.is_contiguous() or table.data_ptr() % 8):
-            raise ValueError(f"table is {table.dtype} {tuple(table.shape)}; layout 'pages' "
-                             f"expects contiguous uint8 [pages, {PAGE_BYTES}], 8-byte aligned")
-        if table.shape[0] * page_rows(row_bytes_for(head_dim))[0] >= 2**31:
-            raise ValueError("layout 'pages' holds fewer than 2^31 rows")
-        return
-    if scales is None:
-        raise ValueError("layout 'split' needs scales= (uint8 [rows, head_dim // 32])")
-    if (table.dtype not in (torch.uint8, torch.float8_e4m3fn) or table.dim() != 2
-            or table.shape[1] != head_dim or not table.is_contiguous()
-            or table.data_ptr() % 16):
-        raise ValueError(f"table is {table.dtype} {tuple(table.shape)}; layout 'split' expects "
-                         f"contiguous uint8/fp8 values [rows, {head_dim}], 16-byte aligned")
-    if (scales.dtype != torch.uint8 or tuple(scales.shape) != (table.shape[0], head_dim // 32)
-            or not scales.is_contiguous() or scales.data_ptr() % (head_dim // 32)):
-        raise ValueError(f"scales are {scales.dtype} {tuple(scales.shape)}; expected contiguous "
-                         f"uint8 [{table.shape[0]}, {head_dim // 32}], "
-                         f"{head_dim // 32}-byte aligned")
-    if scales.is_cuda != table.is_cuda or (not table.is_cuda and not is_interpreted and not (
-            table.is_pinned() and scales.is_pinned())):
-        raise ValueError("values and scales must both be CUDA tensors or both pinned host "
-                         "memory")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -194,9 +140,6 @@ class LookupLauncher:
     `[T, C, head_dim]`, on `device`. Returns `out`. Options (`block_rows`, `programs_per_sm`,
     `num_warps`, `prefetch`, `sort_rows`, `order`: "sort" by row or "blocks" by table block):
     None = the measured policy; `fuse_graphs=False` keeps sorted lookups off fused graphs.
-    `layout` (tables only): "packed" (default), "split" (`table` = values `[rows, head_dim]`,
-    `scales` = `[rows, head_dim // 32]`, vLLM's own layout; given `scales`, the default) or
-    "pages" (`table` = uint8 `[pages, 4096]`, `page_rows` rows a page).
     """
 
     def __init__(self, *, head_dim: int, table: torch.Tensor | None = None,
@@ -204,29 +147,16 @@ class LookupLauncher:
                  device: torch.device | None = None, block_rows: int | None = None,
                  programs_per_sm: int | None = None, num_warps: int | None = None,
                  prefetch: bool | None = None, sort_rows: bool | None = None,
-                 order: str | None = None, fuse_graphs: bool = True,
-                 scales: torch.Tensor | None = None, layout: str | None = None):
-        self.layout = layout or ("split" if scales is not None else "packed")
+                 order: str | None = None, fuse_graphs: bool = True):
         self.head_dim, self.row_bytes = head_dim, row_bytes_for(head_dim)
-        table_rows, self.scales = None, None
         is_interpreted = device is not None and device.type == "cpu"
-        check_layout(head_dim, self.layout, table, scales, is_interpreted)
-        if self.layout == "packed":
-            check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted)
-        elif self.layout == "split":
-            table_rows = table.shape[0]
-            # the kernel finds the scales at this byte offset from the values (UVA or HBM)
-            rows_per_rank, table = scales.data_ptr() - table.data_ptr(), table.view(torch.uint8)
-            self.scales = scales  # kept alive with the launcher
-        else:
-            table_rows = table.shape[0] * page_rows(self.row_bytes)[0]
+        check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted)
         self.placement = table_placement(table, peer_bases)
-        if (table is not None and not table.is_cuda and not _HOST_POINTERS_OK
-                and self.layout == "packed"):
+        if table is not None and not table.is_cuda and not _HOST_POINTERS_OK:
             peer_bases, rows_per_rank = self._host_as_peer(table, device)
             table = None
         self.table, self.peer_bases = table, peer_bases
-        self.rows_per_rank = rows_per_rank or 1  # split tables: the scales' byte offset
+        self.rows_per_rank = rows_per_rank or 1
         self.device = device or self._default_device()
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -242,9 +172,8 @@ class LookupLauncher:
         self._stream = self._current_device = self._graph_sort = None
         self._fused = {}  # the sorter's fused graphs by call key (empty: no sorted lookups)
         if self.device.type == "cuda":
-            if table_rows is None:
-                table_rows = (self.table.shape[0] if self.table is not None
-                              else self.rows_per_rank * self.peer_bases.numel())
+            table_rows = (self.table.shape[0] if self.table is not None
+                          else self.rows_per_rank * self.peer_bases.numel())
             self._graph_sort = GraphSort(order or ORDER_BY[self.placement], table_rows)
             if fuse_graphs:
                 self._fused = self._graph_sort.fused
@@ -346,7 +275,7 @@ class LookupLauncher:
                 compiled = _engram_lookup_kernel[(num_programs,)](*args,
                                                                    num_warps=launch.num_warps)
         except ValueError as exc:
-            if (self.table is None or self.table.is_cuda or self.layout != "packed"
+            if (self.table is None or self.table.is_cuda
                     or "cannot be accessed" not in str(exc)):
                 raise
             _HOST_POINTERS_OK.clear()
@@ -370,20 +299,16 @@ class LookupLauncher:
                                                              self.placement)
         config = tile_config(self.placement, block_rows)
         prefetch = config.prefetch if opts["prefetch"] is None else opts["prefetch"]
-        num_stages = 0 if opts["prefetch"] else config.num_stages
         sort = is_sorted if opts["sort_rows"] is None else opts["sort_rows"]
         is_peer = self.peer_bases is not None
         constexprs = dict(
             HEAD_DIM=self.head_dim, SCALE_WORD=SCALE_WORDS[self.head_dim // 32],
             BLOCK_R=block_rows, IS_PEER=is_peer, IS_SORTED=bool(sort),
             IS_BF16=out_kind == "bf16", PREFETCH=prefetch, ROW_ALIGN=math.gcd(self.row_bytes, 8),
-            LOAD_CACHE=config.load_cache, LOAD_EVICT=config.load_evict,
-            STORE_CACHE=config.store_cache,
             ROWS_32=is_peer and config.rows_32
             and self.rows_per_rank * self.peer_bases.numel() < 2**31,
-            SPLIT_WORDS=split_words(config, self.head_dim, out_kind)
-            if self.layout == "packed" else 0, NUM_STAGES=num_stages,
-            IDS_COLS=0 if sort else ids_cols, TABLE_LAYOUT=TABLE_LAYOUTS[self.layout])
+            SPLIT_WORDS=split_words(config, self.head_dim, out_kind),
+            IDS_COLS=0 if sort else ids_cols)
         # Every constexpr in the kernel's parameter order, defaults included (a direct launch
         # passes all parameters, as Triton's JIT does).
         ordered = tuple(constexprs[name] if name in constexprs else param.default

@@ -23,7 +23,8 @@ NOTES:
 - `torch.sort` of 65K-1.57M int32 ids costs 69-76 us of host time per call on the H200 machine
   (torch 2.11: a copy, cub's radix-sort passes, allocations, each launched from Python); a
   graph that sorts a static buffer and re-pads it costs one copy in + one replay: 16.5-18 us;
-  with the lookup kernel launched after it, 27-42 us (results/model_lookup_h200_f2bdaad.md).
+  with the lookup kernel launched after it, 27-42 us (benchmarks/results/model_lookup/
+  history.jsonl, run f2bdaad).
   One replay of ordering + lookup leaves the replay alone.
 - The lookup writes row i of the ids to output row i whatever order it reads them in, so
   any ordering gives the same output bit for bit; the order only decides which rows are

@@ -23,16 +23,9 @@ def id_offsets(pos, ids_stride, IDS_COLS: tl.constexpr):
 def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
               HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
-              LOAD_CACHE: tl.constexpr, LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr,
-              ids_stride, IDS_COLS: tl.constexpr, TABLE_LAYOUT: tl.constexpr):
-    """Issue the loads of one tile: (output rows, in range, values [BLOCK_R, S, 32], scale word).
-    TABLE_LAYOUT (tables, not peer slices): 0 = packed rows `[rows, ROW_BYTES]`; 1 = split,
-    vLLM's own layout: values `[rows, HEAD_DIM]` at `src` (16-byte aligned), scales
-    `[rows, NUM_SCALES]` at `src + rows_per_rank` (a byte offset, any sign), values loaded as
-    `[BLOCK_R, HEAD_DIM]` (a `[BLOCK_R, NUM_SCALES, 32]` load of 16-byte vectors was 2x slower
-    from host memory, results/lookup_host_layout_h200_df6c8be.md); 2 = pages: packed rows,
-    as many per 4 KiB page as fit (head_dim 256: 15), so that no row crosses a page. Neither
-    is what the model allocates (lookup_policy.HOST_TABLE_LAYOUT says why)."""
+              ROWS_32: tl.constexpr, ids_stride, IDS_COLS: tl.constexpr):
+    """Issue the loads of one tile of packed rows `[rows, ROW_BYTES]` (a table, or peer slices):
+    (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
@@ -50,32 +43,12 @@ def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
             owner = row // rows_per_rank
         base = tl.load(src + owner, mask=has_row, other=0)
         row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
-    elif TABLE_LAYOUT == 1:
-        row_ptr = src + row * HEAD_DIM
-    elif TABLE_LAYOUT == 2:
-        PAGE_ROWS: tl.constexpr = 4096 // ROW_BYTES
-        row_32 = row.to(tl.int32)  # table rows < 2^31 (the launcher checks)
-        page = row_32 // PAGE_ROWS
-        row_ptr = src + page.to(tl.int64) * 4096 + (row_32 - page * PAGE_ROWS).to(
-            tl.int64) * ROW_BYTES
     else:
         row_ptr = src + row * ROW_BYTES
     row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
-    if TABLE_LAYOUT == 1:
-        # rows as vLLM tiles them, [BLOCK_R, HEAD_DIM] (ROW_ALIGN-byte vectors), regrouped
-        flat = tl.load(row_ptr[:, None] + tl.arange(0, HEAD_DIM)[None, :],
-                       mask=has_row[:, None], other=0, cache_modifier=LOAD_CACHE,
-                       eviction_policy=LOAD_EVICT)
-        values = tl.reshape(flat, (BLOCK_R, NUM_SCALES, 32))
-        word = tl.load((src + rows_per_rank + row * NUM_SCALES).to(
-            tl.pointer_type(SCALE_WORD)), mask=has_row, other=0, cache_modifier=LOAD_CACHE,
-            eviction_policy=LOAD_EVICT)
-    else:
-        values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0,
-                         cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
-        word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row,
-                       other=0, cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+    values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
+    word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0)
     return dst, in_range, values, word
 
 
@@ -89,9 +62,8 @@ def _power_of_two(exponent):
 
 @triton.jit
 def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
-                    IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                    LOAD_EVICT: tl.constexpr, ROWS_32: tl.constexpr, SPLIT_WORDS: tl.constexpr,
-                    ids_stride, IDS_COLS: tl.constexpr):
+                    IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROWS_32: tl.constexpr,
+                    SPLIT_WORDS: tl.constexpr, ids_stride, IDS_COLS: tl.constexpr):
     """Tables of 264-byte rows (33 words): each row as two loads cut at its first
     (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
     the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
@@ -120,11 +92,9 @@ def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK
     head_lane = tl.arange(0, SPLIT_WORDS)[None, :]
     lane = tl.arange(0, 32)[None, :]
     head = tl.load(words[:, None] + head_lane,
-                   mask=has_row[:, None] & (head_lane < head_words[:, None]), other=0,
-                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+                   mask=has_row[:, None] & (head_lane < head_words[:, None]), other=0)
     body = tl.load(words[:, None] + head_words[:, None] + lane,
-                   mask=has_row[:, None] & (lane < 33 - head_words[:, None]), other=0,
-                   cache_modifier=LOAD_CACHE, eviction_policy=LOAD_EVICT)
+                   mask=has_row[:, None] & (lane < 33 - head_words[:, None]), other=0)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
     return dst, in_range, head_words, head, body
 
@@ -166,8 +136,7 @@ def store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16: tl.con
 
 @triton.jit
 def store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
-               SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
-               STORE_CACHE: tl.constexpr):
+               SCALE_WORD: tl.constexpr, IS_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr):
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
     group = tl.arange(0, NUM_SCALES)
@@ -180,10 +149,8 @@ def store_tile(out, dst, in_range, values, word, HEAD_DIM: tl.constexpr,
         power = _power_of_two(exponent)
         real = values.to(tl.float8e4nv, bitcast=True).to(tl.float32) * power[:, :, None]
         tl.store(out + dst[:, None, None] * HEAD_DIM + col, real.to(tl.bfloat16),
-                 mask=in_range[:, None, None], cache_modifier=STORE_CACHE)
+                 mask=in_range[:, None, None])
     else:
         out_row = tl.multiple_of(out + dst * ROW_BYTES, ROW_ALIGN)
-        tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None],
-                 cache_modifier=STORE_CACHE)
-        tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range,
-                 cache_modifier=STORE_CACHE)
+        tl.store(out_row[:, None, None] + col, values, mask=in_range[:, None, None])
+        tl.store((out_row + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), word, mask=in_range)

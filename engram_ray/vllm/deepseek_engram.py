@@ -191,7 +191,6 @@ def make_peer_embedding_class(base: type) -> type:
         engram_ray_patched = True
         is_peer_table = False
         _packed_table: torch.Tensor | None = None
-        _packed_scales: torch.Tensor | None = None  # host tables in vLLM's split layout
         _rows = None  # the table's engram_ray.tables.lookup.TableLookup, once bound
 
         def __init__(self, num_embeddings: int, dim: int, head_sizes: tuple[int, ...],
@@ -247,12 +246,7 @@ def make_peer_embedding_class(base: type) -> type:
             rows, dim = self.part_num_embeddings, self.dim
             row_bytes = dim + dim // self.block_size
             if self.cpu_offload:
-                from engram_ray.tables.backends.host_memory import allocate_host_table, allocate_split_host_table
-                from engram_ray.kernels.lookup_policy import HOST_TABLE_LAYOUT
-                if HOST_TABLE_LAYOUT == "split":  # vLLM's layout, read faster from host memory
-                    values, scales = allocate_split_host_table(rows, dim, use_thp=self.use_thp)
-                    self._packed_table, self._packed_scales = values, scales
-                    return values.view(torch.float8_e4m3fn), scales
+                from engram_ray.tables.backends.host_memory import allocate_host_table
                 packed = allocate_host_table(rows * row_bytes, use_thp=self.use_thp)
                 packed = packed.view(rows, row_bytes)
             else:
@@ -286,8 +280,7 @@ def make_peer_embedding_class(base: type) -> type:
                 rows = self.session.reader(self.layer_id)
             else:
                 from engram_ray.tables.lookup import TableLookup
-                rows = TableLookup(self.dim, table=self._packed_table,
-                                   scales=self._packed_scales)
+                rows = TableLookup(self.dim, table=self._packed_table)
             self._rows = rows
             return rows
 

@@ -13,14 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.lookup_compile import compile_variant  # noqa: E402
 
 
-@pytest.mark.parametrize("split_bytes", [0, 32])
-def test_pipelined_launches_copy_rows_with_cp_async(split_bytes):
-    """TileConfig.num_stages >= 2 must reach Triton's pipeliner (rows copied into shared memory
-    by cp.async); 0 must leave the plain loads into registers. The GPU tests cannot tell:
-    the output is identical either way."""
-    plain = compile_variant(16, False, False, False, split_bytes=split_bytes).asm["ptx"]
-    piped = compile_variant(16, False, False, False, split_bytes=split_bytes,
-                            num_stages=3).asm["ptx"]
-    assert "cp.async" not in plain and re.search(r"ld\.global\.(v2\.)?b(64|32)", plain)
-    assert re.search(r"cp\.async\.c[ag]\.shared\.global", piped)
-    assert "cp.async.wait_group" in piped
+@pytest.mark.parametrize("is_bf16, split_bytes", [(True, 0), (False, 32)],
+                         ids=["bf16-whole", "packed-sector"])
+def test_hbm_launches_load_rows_into_registers_as_8_byte_vectors(is_bf16, split_bytes):
+    """The 16-row HBM launch, rows whole (bf16 output) or cut at a sector (packed output): the
+    rows go straight into registers as 8-byte vectors (or 64-bit words), no copy through
+    shared memory. The GPU tests cannot tell: the output is identical either way."""
+    ptx = compile_variant(16, is_bf16, False, False, split_bytes=split_bytes).asm["ptx"]
+    assert "cp.async" not in ptx and re.search(r"ld\.global\.(v2\.)?b(64|32)", ptx)

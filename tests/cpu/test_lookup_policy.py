@@ -44,19 +44,6 @@ def test_tile_config_defaults_and_validation():
         choose_block_rows(10, ROW_BYTES, "disk")
 
 
-def test_cache_hints_default_to_none_and_unknown_ones_are_refused():
-    """The committed launches use no cache hints (measured: .cg and evict_first loads were
-    slower, streaming stores equal; docs/lookup_experiments.md)."""
-    for configs in TILE_CONFIGS.values():
-        for config in configs.values():
-            assert (config.load_cache, config.load_evict, config.store_cache) == ("", "", "")
-    assert TileConfig(16, 8, 4, store_cache=".cs").store_cache == ".cs"
-    with pytest.raises(ValueError, match=r"load_cache is '\.lu'; expected one of"):
-        TileConfig(16, 8, 4, load_cache=".lu")
-    with pytest.raises(ValueError, match="store_cache is 'evict_first'"):
-        TileConfig(16, 8, 4, store_cache="evict_first")
-
-
 def test_split_loads_are_sector_or_line_and_validated():
     """Cut row loads (TileConfig.split_bytes): 0, a 32-byte sector or a 128-byte line; the
     committed launches cut them where measured faster (peer and host: line; HBM packed: sector,
@@ -82,14 +69,3 @@ def test_split_words_of_a_launch():
     assert (split_words(peer, 256, "packed"), split_words(peer, 256, "bf16")) == (16, 16)
     assert split_words(peer, 128, "packed") == 0 and split_words(peer, 512, "bf16") == 0
     assert split_words(TileConfig(16, 8, 4), 256, "packed") == 0
-
-
-def test_pipeline_stages_are_validated_and_exclude_prefetch():
-    """TileConfig.num_stages: 0 (loads into registers) or a cp.async pipeline depth; the
-    register prefetch is the other way to keep a second tile in flight, so not both."""
-    assert TileConfig(16, 8, 4).num_stages == 0
-    assert TileConfig(16, 8, 4, num_stages=3).num_stages == 3
-    with pytest.raises(ValueError, match=r"num_stages is 1 with prefetch False; expected one of"):
-        TileConfig(16, 8, 4, num_stages=1)
-    with pytest.raises(ValueError, match=r"num_stages is 2 with prefetch True; .* 0 with prefetch"):
-        TileConfig(16, 8, 4, prefetch=True, num_stages=2)

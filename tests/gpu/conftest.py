@@ -33,17 +33,6 @@ def thp_table(hbm_table):
 
 
 @pytest.fixture(scope="module")
-def host_split_table(hbm_table):
-    """(values, scales): the table in vLLM's split layout, pinned host memory (what the
-    DeepSeek patch allocates for host tables, engram_ray.tables.backends.host_memory)."""
-    from engram_ray.tables.backends.host_memory import allocate_split_host_table
-    values, scales = allocate_split_host_table(hbm_table.shape[0], HEAD_DIM)
-    values.copy_(hbm_table[:, :HEAD_DIM])
-    scales.copy_(hbm_table[:, HEAD_DIM:])
-    return values, scales
-
-
-@pytest.fixture(scope="module")
 def two_gpu_slices(hbm_table):
     """Slice 0 on cuda:0 (a view of the table), slice 1 (the last, shorter) on cuda:1."""
     from engram_ray.kernels.lookup import enable_peer_access

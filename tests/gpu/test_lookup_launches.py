@@ -1,6 +1,6 @@
 """Launch options of the lookup kernel against the torch reference, bit for bit: peer owner
 division in 64 bits, row loads cut at a sector or a line (every cut point, one and two GPUs,
-HBM and host tables), cp.async pipelines (TileConfig.num_stages), and checked ids."""
+HBM and host tables), and checked ids."""
 
 import pytest
 import torch
@@ -122,42 +122,5 @@ def test_tables_with_split_loads(hbm_table, host_table, thp_table, split_bytes, 
             ids = random_ids(shape, seed).clamp(max=NUM_ROWS - 1 - first)
             got = lookup(row_ids=ids, out=out, into=poisoned(shape, out), table=table[first:],
                           block_rows=tile[0], prefetch=tile[1])
-            torch.cuda.synchronize()
-            assert_bitwise(got, lookup_reference(hbm_table[first:], ids, HEAD_DIM, out=out))
-
-
-@pytest.mark.parametrize("num_stages", [2, 4])
-@pytest.mark.parametrize("split_bytes", [0, 32, 128])
-@pytest.mark.parametrize("placement", ["hbm", "host", "host_thp", "peer"])
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("block_rows", [16, 128])
-def test_pipelined_loads(hbm_table, host_table, thp_table, num_stages, split_bytes, placement,
-                         out, block_rows, monkeypatch):
-    """TileConfig.num_stages (tiles in flight through cp.async into shared memory, masked
-    copies zero-filled) from HBM, host and THP tables (the whole table and a view from row 1:
-    every row moved by 264 bytes) and peer slices on one GPU (16-byte aligned bases: the
-    whole table only), rows whole or cut."""
-    from dataclasses import replace
-
-    from engram_ray.kernels import lookup as kernel
-    monkeypatch.setitem(kernel.TILE_CONFIGS, placement, {
-        rows: replace(config, prefetch=False, num_stages=num_stages, split_bytes=split_bytes,
-                      split_bf16=True)
-        for rows, config in kernel.TILE_CONFIGS[placement].items()})
-    table = {"hbm": hbm_table, "host": host_table, "host_thp": thp_table,
-             "peer": hbm_table}[placement]
-    for first in (0,) if placement == "peer" else (0, 1):
-        for shape in ((43, 3), (43691, 24)):
-            seed = seed_of("stages", num_stages, split_bytes, placement, out, block_rows, shape,
-                         first)
-            ids = random_ids(shape, seed).clamp(max=NUM_ROWS - 1 - first)
-            source = {"table": table[first:]}
-            if placement == "peer":
-                slices = table[first:].split(ROWS_PER_RANK)
-                source = {"peer_bases": torch.tensor([piece.data_ptr() for piece in slices],
-                                                     dtype=torch.int64, device="cuda:0"),
-                          "rows_per_rank": ROWS_PER_RANK}
-            got = lookup(row_ids=ids, out=out, into=poisoned(shape, out),
-                          block_rows=block_rows, **source)
             torch.cuda.synchronize()
             assert_bitwise(got, lookup_reference(hbm_table[first:], ids, HEAD_DIM, out=out))

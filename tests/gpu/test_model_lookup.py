@@ -17,16 +17,13 @@ from lookup_support import HEAD_DIM, NUM_ROWS, ROWS_PER_RANK, assert_bitwise, po
 pytestmark = pytest.mark.gpu
 
 NUM_LAYERS, NUM_COLS = 2, 24
-PLACEMENTS = ["hbm", "peer", "host", "host_split"]  # host_split: vLLM's layout, pinned
+PLACEMENTS = ["hbm", "peer", "host"]
 # 1, 1.5K, 48K (host: sorted) and 65K looked-up rows
 TOKENS = [1, 64, 2000, 2731]
 
 
-def _reader(placement, hbm_table, host_table, meter=None, split=None):
+def _reader(placement, hbm_table, host_table, meter=None):
     from engram_ray.tables.lookup import TableLookup
-    if placement == "host_split":
-        values, scales = split
-        return TableLookup(HEAD_DIM, table=values, scales=scales, meter=meter)
     if placement == "peer":
         slices = list(hbm_table.split(ROWS_PER_RANK))
         bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
@@ -46,9 +43,8 @@ def _fill_hashes(hashes, layer_idx, seed):
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("out", ["bf16", "packed"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_graph_replay_on_new_hashes(hbm_table, host_table, host_split_table, placement, out,
-                                    tokens):
-    reader = _reader(placement, hbm_table, host_table, split=host_split_table)
+def test_graph_replay_on_new_hashes(hbm_table, host_table, placement, out, tokens):
+    reader = _reader(placement, hbm_table, host_table)
     hashes = torch.empty(tokens, NUM_LAYERS, NUM_COLS, dtype=torch.int32, device="cuda:0")
     staged = poisoned((tokens, NUM_COLS), out)
     view = hashes[:, 1]
@@ -74,12 +70,11 @@ def test_graph_replay_on_new_hashes(hbm_table, host_table, host_split_table, pla
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_direct_launches_match_the_reference(hbm_table, host_table, host_split_table,
-                                             placement):
+def test_direct_launches_match_the_reference(hbm_table, host_table, placement):
     """Every entry key a model meets (ids int32/int64, contiguous/a view, both outputs, 16-byte
     aligned or not, small and large lookups): the second call of each launches the compiled
     kernel directly, and both calls are bit-exact."""
-    reader = _reader(placement, hbm_table, host_table, split=host_split_table)
+    reader = _reader(placement, hbm_table, host_table)
     cases = [(t, d, v, o, s) for t in (1, 17, 2731, 43691) for d in (torch.int32, torch.int64)
              for v in (False, True) for o in ("bf16", "packed") for s in (0, 1)]
     for seed, (tokens, dtype, is_view, out, shift) in enumerate(cases):
@@ -165,21 +160,16 @@ def test_sorted_host_lookups_order_ids_through_replayed_graphs(hbm_table, host_t
                            (1 << 16, torch.int64)}
 
 
-@pytest.mark.parametrize("layout", ["packed", "split"])
 @pytest.mark.parametrize("order", ["sort", "blocks"])
 def test_sorted_host_lookups_replay_ordering_and_lookup_as_one_graph(hbm_table, host_table,
-                                                                    host_split_table, order,
-                                                                    layout, monkeypatch):
+                                                                    order, monkeypatch):
     """Sorted host lookups at one (ids, output) address: from the FUSE_AT-th call ordering and
     lookup replay as one graph (by row and by table block), on new hashes each call, on
     another stream, at a smaller size (a graph of its own) and inside a caller's capture
     (op by op there); each bit-exact against the reference."""
     from engram_ray.kernels.lookup_launch import LookupLauncher
     from engram_ray.kernels.lookup_order import FUSE_AT
-    source = dict(table=host_table)
-    if layout == "split":
-        source = dict(zip(("table", "scales"), host_split_table))
-    launcher = LookupLauncher(head_dim=HEAD_DIM, order=order, **source)
+    launcher = LookupLauncher(head_dim=HEAD_DIM, order=order, table=host_table)
     hashes = torch.empty(2000, NUM_LAYERS, NUM_COLS, dtype=torch.int32, device="cuda:0")
     outs = {kind: poisoned((2000, NUM_COLS), kind) for kind in ("packed", "bf16")}
     side = torch.cuda.Stream()

@@ -38,21 +38,6 @@ def allocate_host_table(num_bytes: int, *, use_thp: bool = False) -> torch.Tenso
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-def allocate_split_host_table(num_rows: int, head_dim: int, *,
-                              use_thp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pinned host table in vLLM's own split layout, one allocation: values uint8
-    `[num_rows, head_dim]` (FP8 bytes; each row 16-byte aligned, none crossing a 4 KiB page)
-    then scales uint8 `[num_rows, head_dim // 32]`. The lookup reads it with
-    `TableLookup(head_dim, table=values, scales=scales)`."""
-    if num_rows <= 0 or head_dim <= 0 or head_dim % 32:
-        raise ValueError(f"num_rows {num_rows}, head_dim {head_dim}; expected positive sizes, "
-                         "head_dim a multiple of 32")
-    value_bytes = num_rows * head_dim
-    memory = allocate_host_table(value_bytes + num_rows * (head_dim // 32), use_thp=use_thp)
-    return (memory[:value_bytes].view(num_rows, head_dim),
-            memory[value_bytes:].view(num_rows, head_dim // 32))
-
-
 def is_huge_page_backed(tensor: torch.Tensor) -> bool:
     """Whether `tensor` lies in a registered huge-page allocation of this module."""
     if tensor.is_cuda:
