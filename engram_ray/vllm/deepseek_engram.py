@@ -180,6 +180,8 @@ def _join_hook_class():
 
 def make_peer_embedding_class(base: type) -> type:
     """Subclass of vLLM's `ParallelEngramEmbedding` (see module doc)."""
+    # Long because it is a class body: vLLM's base class is known only at patch time, so the
+    # subclass is defined here; its methods are short.
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.utils import set_weight_attrs
 
