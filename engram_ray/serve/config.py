@@ -10,6 +10,9 @@ agree (CPU engines need the shm backend, a peer group holds whole
 data-parallel replicas, ...).
 """
 
+# Over 300 lines: the schema of every Serve-app option, each field with its default and the
+# doc the README's reference table is checked against; the checks sit beside their fields.
+
 from __future__ import annotations
 
 import math

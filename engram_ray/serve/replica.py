@@ -19,6 +19,9 @@ the coordinator says (`engram_ray.serve.ingress`). Answers carry the generation 
 produced them (`system_fingerprint`).
 """
 
+# Over 300 lines: one replica's whole life (engine start, group join, engine watch, reports to
+# the coordinator, shutdown) is one mixin over Ray Serve LLM's two server classes.
+
 from __future__ import annotations
 
 import asyncio
