@@ -6,9 +6,8 @@ Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 
   (its GB200 path) and `vllm_ms` is the faster of the two;
 - `kernel`: engram-ray's kernel alone, `engram_lookup(ids, into=out)` on contiguous ids;
 - `patch`: `engram_ray.tables.lookup.TableLookup`, the function the DeepSeek patch calls, on
-  int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer;
-  host tables in the layout the patch allocates (`HOST_TABLE_LAYOUT`: vLLM's split layout,
-  its own pinned copy; `kernel` reads the packed one).
+  int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer
+  (packed rows, as the patch allocates them).
 Modes: `gpu` (device events per launch, launches queued behind a sleep kernel, L2 flushed),
 `eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock;
 both taking samples callable by callable in turn; median, p10 and p90 kept);
@@ -16,7 +15,9 @@ id sets rotate so no launch rereads a recent one's rows (benchmarks/lookup_timin
 time per call: mean over back-to-back calls while the GPU is held by a sleep kernel.
 Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run.
 
-Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick]
+Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick] [--results DIR]
+(latest.md and a history.jsonl line go to benchmarks/results/model_lookup/ unless --results
+names another folder; benchmarks/common.py).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import model_lookup_report as report  # noqa: E402
 import vllm_engram_ref  # noqa: E402
+from common import add_results_argument  # noqa: E402
 from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
 from engram_ray.tables.lookup import TableLookup  # noqa: E402
 from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
 from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
-from engram_ray.kernels.lookup_policy import HOST_TABLE_LAYOUT  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
                            fill_random, num_id_sets, stats, time_launches)
 
@@ -58,24 +59,10 @@ def avoid_zero_scales(packed: torch.Tensor, chunk_rows: int = 1 << 22) -> None:
         packed[start:start + chunk_rows, HEAD_DIM:].clamp_(min=1)
 
 
-def split_host_copy(packed_gpu: torch.Tensor, use_thp: bool = False,
-                    chunk_rows: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) of `packed_gpu` in a pinned split host table
-    (engram_ray.tables.backends.host_memory.allocate_split_host_table), copied in chunks."""
-    from engram_ray.tables.backends.host_memory import allocate_split_host_table
-    values, scales = allocate_split_host_table(packed_gpu.shape[0], HEAD_DIM, use_thp=use_thp)
-    for first in range(0, packed_gpu.shape[0], chunk_rows):
-        rows = packed_gpu[first:first + chunk_rows]
-        values[first:first + chunk_rows].copy_(rows[:, :HEAD_DIM])
-        scales[first:first + chunk_rows].copy_(rows[:, HEAD_DIM:])
-    return values, scales
-
-
 class Case:
     """One placement's tables (ours packed, vLLM's layout) and the callables over them."""
 
-    def __init__(self, placement: str, packed_gpu: torch.Tensor, vllm_kernel, num_sms: int,
-                 host_table_layout: str = HOST_TABLE_LAYOUT):
+    def __init__(self, placement: str, packed_gpu: torch.Tensor, vllm_kernel, num_sms: int):
         self.placement = placement
         if placement == "peer":
             half = packed_gpu.shape[0] // 4 * 2  # even: slices start 16-byte aligned
@@ -92,12 +79,8 @@ class Case:
                 table.copy_(packed_gpu)
             self.source = dict(table=table)
             self.num_rows = packed_gpu.shape[0]
-        # the patch's table as the DeepSeek patch allocates it (host: HOST_TABLE_LAYOUT)
-        self.patch_source = self.source
-        if placement == "host" and host_table_layout == "split":
-            self.patch_source = dict(zip(("table", "scales"), split_host_copy(packed_gpu)))
         self.vllm = vllm_engram_ref.VllmTable(vllm_kernel, parts, HEAD_DIM, placement, num_sms)
-        self.patch = TableLookup(HEAD_DIM, **self.patch_source)
+        self.patch = TableLookup(HEAD_DIM, **self.source)
         self.contiguous: dict[int, torch.Tensor] = {}
         torch.cuda.synchronize()
 
@@ -155,7 +138,7 @@ def time_modes(fns, id_sets, out, budget_s: float) -> dict:
     """{mode: {name: stats}} for gpu, eager and graph. The host-clock modes interleave the
     callables sample by sample, in an order rotated each time, so drift falls on each alike
     (the same small graph replay moved 16.5-22 us between rounds of whole blocks,
-    results/lookup_host_vs_vllm_h200_beabf19.md); small lookups also time vLLM against
+    docs/lookup_experiments.md, pinned host tables against vLLM 0.33); small lookups also time vLLM against
     itself (`vllm_again`: its own graphs), the spread two equal callables show."""
     found = {"gpu": {}}
     graphs = {}
@@ -274,7 +257,7 @@ def run(args) -> dict:
     cases, host = [], []
     for placement in ("hbm", "peer", "host"):
         source = packed if placement != "host" else packed[:args.host_gib * GIB // ROW_BYTES]
-        case = Case(placement, source, kernel, num_sms, args.host_table_layout)
+        case = Case(placement, source, kernel, num_sms)
         for out_kind in ("bf16", "packed"):
             for num_tokens in tokens:
                 id_sets = case.ids_for(case.id_sets(num_tokens, seed=num_tokens))
@@ -288,7 +271,7 @@ def run(args) -> dict:
                 if num_tokens in (64, 2731, 65536):
                     if placement == "host":
                         fns["patch_unfused"] = LookupLauncher(
-                            head_dim=HEAD_DIM, fuse_graphs=False, **case.patch_source)
+                            head_dim=HEAD_DIM, fuse_graphs=False, **case.source)
                     host.append(dict(placement=placement, out=out_kind,
                                      rows=num_tokens * NUM_COLS,
                                      **host_us(fns, id_sets, out)))
@@ -306,17 +289,12 @@ def main() -> None:
     parser.add_argument("--host-gib", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=0.1)
     parser.add_argument("--quick", action="store_true", help="3 sizes")
-    parser.add_argument("--commit", default="unknown")
-    parser.add_argument("--history", help="results/model_lookup/ folder (latest.md, history)")
-    parser.add_argument("--host-table-layout", choices=("packed", "split"),
-                        default=HOST_TABLE_LAYOUT, help="the patch's host table layout "
-                        "(default: the policy's, as the DeepSeek patch allocates it)")
+    add_results_argument(parser, "model_lookup")
     args = parser.parse_args()
     result = run(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
     Path(args.md).write_text(report.markdown(result))
-    if args.history:
-        report.append_history(result, Path(args.history))
+    report.write_history(result, args.results)
     print(report.summary(result))
 
 

@@ -8,9 +8,10 @@ patch path at most 20 us.
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
+
+from common import environment, write_results
 
 MODES = ("gpu", "eager", "graph")
 HOST_US_MAX = 20.0
@@ -67,29 +68,21 @@ def _label(case: dict) -> str:
 
 
 def finish(cases: list[dict], host: list[dict], args) -> dict:
-    import subprocess
-
-    import torch
+    """The run's result: cases, host times, targets, the environment (benchmarks/common.py:
+    device, date, commit, torch, Triton) and the table sizes."""
     host_us = {name: max(h[name] for h in host if name in h)
                for name in ("vllm", "kernel", "patch", "patch_unfused")
                if any(name in h for h in host)}
     return dict(cases=cases, host_us=host_us, host_us_cases=host,
-                targets=check_targets(cases, host_us),
-                device=torch.cuda.get_device_name(0),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                commit=args.commit, torch=torch.__version__,
-                triton=subprocess.run(["python3", "-c", "import triton; print(triton.__version__)"],
-                                      capture_output=True, text=True).stdout.strip(),
-                hbm_gib=args.hbm_gib, host_gib=args.host_gib, budget_s=args.budget_s,
-                host_table_layout=getattr(args, "host_table_layout", "packed"))
+                targets=check_targets(cases, host_us), **environment(gpu=True),
+                hbm_gib=args.hbm_gib, host_gib=args.host_gib, budget_s=args.budget_s)
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Engram lookup as the model calls it vs vLLM 0.33 ({result['device']})", "",
              f"{result['date']}, commit {result['commit']}, torch {result['torch']}, Triton "
              f"{result['triton']}; tables: HBM and peer {result['hbm_gib']} GiB (peer: two "
-             f"slices on one GPU), pinned host {result['host_gib']} GiB (the patch's in the "
-             f"{result.get('host_table_layout', 'packed')} layout); 24 columns per token, "
+             f"slices on one GPU), pinned host {result['host_gib']} GiB; 24 columns per token, "
              "uniform random ids. Medians in ms; `x` = vLLM / patch. Host tables: vLLM = "
              "faster of unsorted / sorted (both in the JSON). gpu = device events, launches "
              "queued; eager = one call + sync (host clock); graph = CUDA-graph replay + sync.",
@@ -150,13 +143,14 @@ def summary(result: dict) -> str:
     return "\n".join(text)
 
 
-def append_history(result: dict, folder: Path) -> None:
-    """STYLE rule 14: latest.md and one history.jsonl line per run."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "latest.md").write_text(markdown(result))
-    line = {k: result[k] for k in ("device", "date", "commit", "host_us", "targets")}
-    line["cases"] = [{k: c[k] for k in ("placement", "out", "rows", "mode", "vllm_ms",
-                                        "kernel_ms", "patch_ms", "bitwise_equal_vllm")}
-                     for c in result["cases"]]
-    with open(folder / "history.jsonl", "a") as history:
-        history.write(json.dumps(line) + "\n")
+def history_line(result: dict) -> dict:
+    """The figures a history.jsonl line keeps (device, date and commit go first)."""
+    return dict(host_us=result["host_us"], targets=result["targets"],
+                cases=[{k: c[k] for k in ("placement", "out", "rows", "mode", "vllm_ms",
+                                          "kernel_ms", "patch_ms", "bitwise_equal_vllm")}
+                       for c in result["cases"]])
+
+
+def write_history(result: dict, folder: Path) -> Path:
+    """STYLE rule 14 (benchmarks/common.py): `folder/latest.md` and one history.jsonl line."""
+    return write_results(folder, history_line(result), markdown(result), env=result)
