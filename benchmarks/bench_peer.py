@@ -309,7 +309,7 @@ def gpu_markdown(report: dict) -> str:
     sweeps = [r for r in first["lookups"] if "sweep" in r]
     if sweeps:
         lines += ["", "Kernel tile variants on the half-remote lookups (median ms; remote GB/s):",
-                  "", "| rows | block_rows | programs/SM | warps | prefetch, cache hints | "
+                  "", "| rows | block_rows | programs/SM | warps | prefetch, changes to the launch | "
                   "median ms | remote GB/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in sweeps:
             for v in r["sweep"]:
