@@ -1,7 +1,7 @@
 """Faults on a running deployment, measured from the client's side: kill a peer group's
 engine core or its replica under load and see what every client saw.
 
-Used by tests/cpu/test_faults.py and benchmarks/bench_serving_faults.py, on the local
+Used by tests/cpu/local/test_faults.py and benchmarks/bench_serving_faults.py, on the local
 deployment (`engram_ray.local.deployment.LocalDeployment`, this process its Ray driver).
 
     report = kill_under_load(deployment, traffic, "engine_core", "group-0")

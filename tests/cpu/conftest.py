@@ -1,6 +1,14 @@
-"""Fixtures shared by the CPU tests."""
+"""Fixtures shared by the CPU tests; `tests/` on sys.path, for test support code
+(`support.*`, also in the engine subprocesses some tests start: `SUPPORT_PATH`)."""
+
+import sys
+from pathlib import Path
 
 import pytest
+
+SUPPORT_PATH = str(Path(__file__).resolve().parents[1])  # tests/
+if SUPPORT_PATH not in sys.path:
+    sys.path.insert(0, SUPPORT_PATH)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The lookup kernel compiled for sm_90 by Triton's own compiler (no GPU needed), for tests that
-read its PTX (tests/cpu/test_lookup_compiled.py)."""
+read its PTX (tests/cpu/kernels/test_lookup_compiled.py)."""
 
 from __future__ import annotations
 

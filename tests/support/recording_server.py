@@ -1,7 +1,7 @@
 """Engines that only record where they run: the real engram-ray replica classes (their join
 with the coordinator, gang context and DP nesting) with vLLM left out. Each replica writes
 one JSON file into `records_dir(peer_group_store)`: its replica id, group, gang, ranks, node.
-Used by tests/cpu/test_placement.py through `engram_ray.serve.app.build_engram_app(args, server_cls)`."""
+Used by tests/cpu/actors/test_placement.py through `engram_ray.serve.app.build_engram_app(args, server_cls)`."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from support.lookup_compile import compile_variant  # noqa: E402
 

@@ -61,7 +61,7 @@ def test_dashboards_and_prometheus_config_are_package_data():
     json.loads((data / "engram_memory.json").read_text())
 
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def local_package_indexes() -> list[str]:

@@ -8,10 +8,13 @@ request must do nothing.
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from engram_ray.vllm.cpu_features import CpuFeatures, amx_permitted, cpu_flags, request_amx
+
+SUPPORT_PATH = str(Path(__file__).resolve().parents[2])  # tests/, for support.engine_runner
 
 HAS_AMX = "amx_tile" in cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX (no amx_tile in "
@@ -86,7 +89,8 @@ def test_engine_runs_a_forward_with_vllms_amx_attention(tmp_path):
 
     assert torch.cpu._is_amx_tile_supported()  # so vLLM picks its AMX attention kernel
     model = write_tiny_model(tmp_path / "model")
-    code = ("import sys; from engram_ray.vllm.engine_runner import EngramEngine, apply_cpu_defaults\n"
+    code = (f"import sys; sys.path.insert(0, {SUPPORT_PATH!r})\n"
+            "from support.engine_runner import EngramEngine, apply_cpu_defaults\n"
             "if __name__ == '__main__':\n"
             "    apply_cpu_defaults()\n"
             "    tokens = EngramEngine(sys.argv[1]).generate(['The river'], max_tokens=4)\n"

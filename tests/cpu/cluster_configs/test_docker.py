@@ -12,7 +12,7 @@ import yaml
 
 import engram_ray
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 TAG_ARCH = {f"engram-ray:{engram_ray.__version__}-amd64": "amd64",
             f"engram-ray:{engram_ray.__version__}-arm64": "arm64"}

@@ -20,7 +20,7 @@ from engram_ray.planning.memory import make_plan
 from engram_ray.local.prometheus import Prometheus, scrape_config
 from engram_ray.tables.table import PeerGroupSpec, open_group_tables
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = ROOT / "dashboards"
 sys.path.insert(0, str(DASHBOARDS))
 import generate  # noqa: E402

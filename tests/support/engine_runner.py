@@ -1,4 +1,7 @@
-"""Run a vLLM engine with engram-ray's plugin: the hook the Ray engine actor and Serve call.
+"""Test support: a vLLM engine with engram-ray's plugin outside Ray Serve (the CPU tests of the
+tiny model, the AMX guard, KV-cache capacity). Serve builds its engines' arguments itself
+(`engram_ray.serve.app.engine_kwargs`); both take the architecture's settings from
+`engram_ray.vllm.engine_settings`.
 
     args = build_engine_args(model_dir, peer_group={"size": 2, "store": DIR, "rank": 0,
                                                     "generation": "g1"})
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from engram_ray.vllm.engine_settings import architecture_engine_kwargs
 from engram_ray.vllm.peer_settings import PeerGroupSettings
 
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -33,13 +37,13 @@ def build_engine_args(model_dir: str, peer_group: dict | PeerGroupSettings | Non
                       **overrides: Any) -> dict:
     """Keyword arguments for `vllm.LLM(...)` / `vllm.AsyncEngineArgs(...)`.
 
-    Eager mode, no prefix caching (the n-gram history is keyed by KV slot), TP = PP = 1,
-    stats on (for metrics). `overrides` win over these defaults.
+    What the architecture needs (the tiny model: eager mode, no prefix caching, its n-gram
+    history is keyed by KV slot), TP = PP = 1, stats on (for metrics). `overrides` win.
     """
     settings = _settings(peer_group)
     args = dict(model=str(model_dir), tokenizer=str(model_dir), max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, seed=seed, enforce_eager=True,
-                enable_prefix_caching=False, tensor_parallel_size=1,
+                max_num_seqs=max_num_seqs, seed=seed,
+                **architecture_engine_kwargs(str(model_dir)), tensor_parallel_size=1,
                 pipeline_parallel_size=1, disable_log_stats=False,
                 additional_config=settings.to_additional_config() if settings else {})
     args.update(overrides)

@@ -32,7 +32,7 @@ from engram_ray.local.summary import engine_row, merge_by_engine
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "dashboards"))
 import generate  # noqa: E402
 

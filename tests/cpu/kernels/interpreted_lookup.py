@@ -1,8 +1,8 @@
 """Run the Triton lookup kernel under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors)
 against the torch reference; used by test_lookup_interpreter.py in a subprocess, since the
 interpreter must be chosen before the kernel module is imported.
-Usage: TRITON_INTERPRET=1 python tests/cpu/interpreted_lookup.py HEAD_DIM SEED
-       TRITON_INTERPRET=1 python tests/cpu/interpreted_lookup.py launcher SEED
+Usage: TRITON_INTERPRET=1 python tests/cpu/kernels/interpreted_lookup.py HEAD_DIM SEED
+       TRITON_INTERPRET=1 python tests/cpu/kernels/interpreted_lookup.py launcher SEED
 """
 
 import itertools

@@ -109,7 +109,7 @@ def test_the_deepseek_serve_yaml_with_auto_reaches_ray_serve_llms_engine_kwargs(
     from engram_ray.serve.app import llm_config
     from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 
-    configs = Path(__file__).resolve().parents[2] / "cluster_configs"
+    configs = Path(__file__).resolve().parents[3] / "cluster_configs"
     data = copy.deepcopy(read_yaml(configs / "serve_deepseek_v41_flash.yaml"))
     data["applications"][0]["args"]["serving"]["host_kv_cache_gib"] = "auto"
     (checked,) = check_serve_config(data, "flash.yaml").values()

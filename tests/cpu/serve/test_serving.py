@@ -1,6 +1,6 @@
 """The Serve app's parts without vLLM: the LLMConfig the builders get, the coordinator's
 generation protocol on a real local Ray, and the application `build_app` assembles.
-(Placement across NVLink domains and group restarts: tests/cpu/test_placement.py.)"""
+(Placement across NVLink domains and group restarts: tests/cpu/actors/test_placement.py.)"""
 
 import json
 import os
@@ -14,7 +14,7 @@ from engram_ray.serve.cluster_configs import load_serve_config
 from engram_ray.serve.replica import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
                                        EngramLLMServer, peer_group_settings)
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
 
 def app_config(name: str):

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ import torch
 from engram_ray.cli import main as cli_main
 from engram_ray.model.layout import load_layout
 from engram_ray.vllm.tiny_checkpoint import WEIGHTS_FILE, write_tiny_model
+
+SUPPORT_PATH = str(Path(__file__).resolve().parents[2])  # tests/, for support.engine_runner
 
 MAX_TOKENS = 12
 # Small batches force chunked prefill: the long prompt's n-grams cross chunk boundaries.
@@ -29,7 +32,8 @@ LONG_PROMPT = ("The peers meet once, when they start. Each one writes where its 
                "the slices of the others. After that there is no coordination at all.")
 PROMPTS = ["The quick brown fox", "Engram tables are", "Café ÉCOLE naïve", LONG_PROMPT,
            "A row of a table holds the values of one head"]
-_ENGINE = ("import json, sys; from engram_ray.vllm.engine_runner import run_engine_process; "
+_ENGINE = (f"import json, sys; sys.path.insert(0, {SUPPORT_PATH!r}); "
+           "from support.engine_runner import run_engine_process; "
            "a = json.loads(sys.argv[1]); run_engine_process(**a)")
 
 

@@ -321,7 +321,7 @@ def test_guard_survives_the_pickling_serve_does():
 def test_readme_lists_every_request_limit():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     for name in RequestLimits.describe_fields():
         assert f"| `{name}` |" in readme, name
 

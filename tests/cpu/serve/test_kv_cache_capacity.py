@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -149,7 +150,8 @@ _ENGINE = r"""
 import asyncio, dataclasses, json, logging, sys
 from types import SimpleNamespace
 
-from engram_ray.vllm.engine_runner import apply_cpu_defaults, generate_async, start_async_engine
+sys.path.insert(0, sys.argv[3])  # tests/, for support.engine_runner
+from support.engine_runner import apply_cpu_defaults, generate_async, start_async_engine
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.serve.kv_cache import KV_PROBE_METHOD, formula_capacity, probe_engine_kwargs
 from engram_ray.serve.replica import EngramServerMixin
@@ -192,7 +194,8 @@ def test_exact_bytes_are_what_the_engine_allocated(tmp_path):
     result_path, log_path = tmp_path / "result.json", tmp_path / "engine.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-c", _ENGINE, str(model), str(result_path)],
+        proc = subprocess.run([sys.executable, "-c", _ENGINE, str(model), str(result_path),
+                               str(Path(__file__).resolve().parents[2])],
                               env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                               timeout=600)
     if proc.returncode != 0 or not result_path.exists():

@@ -17,7 +17,7 @@ from engram_ray.metrics.exposition import (MetricsServer, TargetsServer, metrics
                                            port_name, target_groups, write_file_sd)
 from engram_ray.local.prometheus import Prometheus, free_port
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 # Kubernetes' IANA_SVC_NAME: 1-15 lowercase letters, digits and single inner hyphens.
 PORT_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = ROOT / "dashboards"
 RULES = DASHBOARDS / "engram_alerts.yml"
 sys.path.insert(0, str(DASHBOARDS))

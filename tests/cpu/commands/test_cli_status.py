@@ -11,7 +11,7 @@ import pytest
 
 from engram_ray.serve.cluster_configs import load_serve_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
 
 def status(address, *args):

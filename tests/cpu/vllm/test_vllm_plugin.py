@@ -185,7 +185,7 @@ def test_the_serve_yaml_engine_settings_build_a_peer_table(engram_module, tmp_pa
     from engram_ray.serve.cluster_configs import load_serve_config
 
     module, _ = engram_module
-    yaml_path = Path(__file__).resolve().parents[2] / "cluster_configs" / \
+    yaml_path = Path(__file__).resolve().parents[3] / "cluster_configs" / \
         "serve_deepseek_v41_flash.yaml"
     kwargs = engine_kwargs(next(iter(load_serve_config(yaml_path).values())))
     engram_config = EngramConfig(**kwargs.get("engram_config", {}))

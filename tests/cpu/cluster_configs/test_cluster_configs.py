@@ -12,7 +12,7 @@ from engram_ray.serve.cluster_configs import (check_ray_up_config, check_serve_c
                                                 load_ray_up_config, load_serve_config,
                                                 read_yaml)
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 SERVE_FILES = sorted(CONFIGS.glob("serve_*.yaml"))
 RAY_UP_FILES = sorted(CONFIGS.glob("ray_up_*.yaml"))
 

@@ -15,7 +15,7 @@ import yaml
 from engram_ray.planning.grouping import NodeSlots, domains_of, place_groups
 from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KUBERAY = ROOT / "cluster_configs" / "kuberay"
 FILES = sorted(KUBERAY.glob("*.yaml"))
 K8S_VERSION = "1.34"  # DRA (resource claims in pod specs) is GA from 1.34
@@ -361,7 +361,7 @@ def test_engine_metrics_ports_are_fixed_named_and_scraped(manifest):
 def test_every_scraped_target_gets_the_cluster_label(manifest):
     """Both PodMonitors give every endpoint's targets `cluster` = the RayService's name (the
     dashboards' $cluster): a literal replace with no source labels, ahead of any other rule
-    (tests/cpu/test_metrics_discovery.py runs these rules in a real Prometheus)."""
+    (tests/cpu/metrics/test_metrics_discovery.py runs these rules in a real Prometheus)."""
     _, docs = manifest
     name = rayservice(docs)["metadata"]["name"]
     for monitor in monitors(docs):

@@ -19,7 +19,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from support import recording_server  # noqa: E402
 from support.recording_server import RecordingDPServer, RecordingServer, records_dir  # noqa: E402
 

@@ -126,7 +126,7 @@ def test_version_matches_the_package():
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"engram-ray {engram_ray.__version__}"
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml")
                               .read_text())
     assert pyproject["project"]["version"] == engram_ray.__version__
 

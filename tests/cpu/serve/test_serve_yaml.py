@@ -14,7 +14,7 @@ from engram_ray.planning.grouping import Domain, PeerGroupPlan
 from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 from engram_ray.serve.config import ServeAppConfig, check_engine_kwargs, check_llm_options
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 GROUP = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
 
 
@@ -156,7 +156,7 @@ def test_replica_classes_are_built_on_rays_public_names():
     from engram_ray.serve.replica import EngramDPServer, EngramLLMServer
 
     assert issubclass(EngramLLMServer, LLMServer) and issubclass(EngramDPServer, DPServer)
-    source = (Path(__file__).resolve().parents[2] / "engram_ray" / "serve" / "replica.py")
+    source = (Path(__file__).resolve().parents[3] / "engram_ray" / "serve" / "replica.py")
     imports = [line for line in source.read_text().splitlines()
                if line.startswith(("from ray", "import ray"))]
     assert imports and not any("_internal" in line for line in imports)

@@ -9,7 +9,7 @@ import yaml
 
 from engram_ray.cli import main
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 ALL = sorted(CONFIGS.glob("*.yaml")) + sorted((CONFIGS / "kuberay").glob("*.yaml"))
 
 

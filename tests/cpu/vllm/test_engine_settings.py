@@ -11,7 +11,7 @@ from engram_ray.vllm.engine_settings import architecture_engine_kwargs, model_ar
 from engram_ray.serve.app import engine_kwargs
 from engram_ray.serve.cluster_configs import load_serve_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "cluster_configs"
 
 

@@ -11,7 +11,7 @@ from engram_ray.model.layout import load_layout
 from engram_ray.serve.cluster_configs import load_serve_config
 from engram_ray.serve.ingress import GroupRouting, error_event, is_group_failure
 
-CONFIGS = Path(__file__).resolve().parents[2] / "cluster_configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
 
 def _raw(tmp_path, name: str) -> dict:
