@@ -1,7 +1,7 @@
 """Grafana dashboards and Prometheus alert rules of engram-ray, generated: `python3
 dashboards/generate.py` writes `dashboards/engram_memory.json`, `dashboards/engram_step_time.json`
 and `dashboards/engram_alerts.yml`; `--check` exits 1 if a committed file differs from what this
-code generates (tests/cpu/test_dashboards.py runs it).
+code generates (tests/cpu/metrics/test_dashboards.py runs it).
 
 Queries filter on the template variables `$cluster`, `$job` (Prometheus' own target labels: `job`
 from the scrape job, `cluster` from an external label or relabelling; a series without `cluster`
