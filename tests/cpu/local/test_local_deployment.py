@@ -41,8 +41,26 @@ STARTUP_S = 900
 SUMMARY_EVERY_S = 5
 
 
-def vllm_processes(title: str) -> list[int]:
-    """PIDs of vLLM's processes by title ("VLLM::EngineCore", "VLLM::Worker")."""
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after "(comm) state"
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    try:
+        while pid > 1:
+            pid = _parent(pid)
+            if pid == ancestor:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def vllm_processes(title: str, under: int) -> list[int]:
+    """PIDs of vLLM's processes by title ("VLLM::EngineCore", "VLLM::Worker") below process
+    `under` (a deployment's `engram-ray local`, which starts Ray, whose workers start vLLM):
+    other deployments' engines (the module's shared one, other test runs) are not this test's."""
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -50,7 +68,7 @@ def vllm_processes(title: str) -> list[int]:
                 pids.append(int(proc.name))
         except OSError:
             continue
-    return pids
+    return [pid for pid in pids if _descends_from(pid, under)]
 
 
 def engine_segments() -> set[str]:
@@ -275,7 +293,7 @@ def test_engine_core_killed_just_before_a_status_line_keeps_the_deployment(local
     blocks = local.out.read_text().count("live metrics:")
     local.wait_for_count("live metrics:", blocks + 1, timeout_s=60)
     time.sleep(SUMMARY_EVERY_S - 1.5)
-    [victim, *_] = vllm_processes("VLLM::EngineCore")
+    [victim, *_] = vllm_processes("VLLM::EngineCore", local.proc.pid)
     os.kill(victim, signal.SIGKILL)
     out = local.wait_for_count("live metrics:", blocks + 3, timeout_s=60)
     after = out.split("live metrics:")[blocks + 2:]
@@ -352,10 +370,10 @@ def test_worker_dying_before_ready_is_reported_in_one_line(tmp_path):
     run = Local(tmp_path, "--once")
     try:
         deadline = time.monotonic() + STARTUP_S
-        while not vllm_processes("VLLM::Worker") and time.monotonic() < deadline:
+        while not vllm_processes("VLLM::Worker", run.proc.pid) and time.monotonic() < deadline:
             assert run.proc.poll() is None, run.err.read_text()[-4000:]
             time.sleep(0.2)
-        os.kill(vllm_processes("VLLM::Worker")[0], signal.SIGILL)
+        os.kill(vllm_processes("VLLM::Worker", run.proc.pid)[0], signal.SIGILL)
         assert run.proc.wait(300) == 2
     finally:
         if run.proc.poll() is None:
