@@ -214,14 +214,15 @@ def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
                budget_s: float, sweep_min_rows: int) -> dict:
     import torch
     from engram_ray.planning.memory import make_plan
-    from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+    from engram_ray.tables.settings import PeerGroupSettings
+    from engram_ray.tables.table import open_group_tables
 
     torch.cuda.set_device(rank)
     free_before = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
-    spec = PeerGroupSpec(size=2, rank=rank, store_dir=store_dir, generation="bench-gpu",
-                         timeout_s=300)
-    tables = open_group_tables(layout, spec, backend="cuda", device=f"cuda:{rank}")
+    settings = PeerGroupSettings(size=2, rank=rank, store_dir=store_dir,
+                                 generation="bench-gpu", timeout_s=300, backend="cuda")
+    tables = open_group_tables(layout, settings, device=f"cuda:{rank}")
     open_s = time.perf_counter() - start
     used = free_before - torch.cuda.mem_get_info()[0]
     plan = make_plan(layout, "peer", peer_group_size=2)

@@ -101,15 +101,16 @@ def scale_member(rank: int, size: int, layout: EngramLayout, store_dir: str, bud
                  copy_reps: int) -> dict:
     import torch
     from engram_ray.planning.memory import make_plan
-    from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+    from engram_ray.tables.settings import PeerGroupSettings
+    from engram_ray.tables.table import open_group_tables
 
     ranks, barriers = list(range(size)), store_dir + "-barriers"
     torch.cuda.set_device(rank)
     free_before, total = torch.cuda.mem_get_info()
     start = time.perf_counter()
-    spec = PeerGroupSpec(size=size, rank=rank, store_dir=store_dir,
-                         generation=f"scale-{size}", timeout_s=300)
-    tables = open_group_tables(layout, spec, backend="cuda", device=f"cuda:{rank}")
+    settings = PeerGroupSettings(size=size, rank=rank, store_dir=store_dir,
+                                 generation=f"scale-{size}", timeout_s=300, backend="cuda")
+    tables = open_group_tables(layout, settings, device=f"cuda:{rank}")
     open_s = time.perf_counter() - start
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info()[0]

@@ -83,10 +83,19 @@ class EngineMetrics:
         self._labels = identity.labels()
         self._rows_seen = {"local": 0, "remote": 0}
         self._drains: list = []
+        self.server = None  # this engine's own /metrics endpoint, once `serve` started it
         # First in the registry: a scrape publishes pending lookup samples before it reads
         # the lookup series (engram_ray.metrics.lookup_meter).
         self.registry.register(_DrainOnCollect(self._drains))
         self._define()
+
+    def serve(self, bind_address: str, port: int = 0, advertise_host: str | None = None):
+        """Start this engine's own `/metrics` endpoint (`engram_ray.metrics.exposition.
+        MetricsServer` over this registry only); returns it (also `self.server`)."""
+        from engram_ray.metrics.exposition import MetricsServer
+        self.server = MetricsServer([self.registry], bind_address, port,
+                                    include_process_registry=False, advertise_host=advertise_host)
+        return self.server
 
     def add_drain(self, drain) -> None:
         """`drain()` runs at every scrape, before the series are read (lookup samples whose
@@ -144,6 +153,22 @@ class EngineMetrics:
         self.host_bytes.labels(**self._labels).set(host)
         self.kv_gain_bytes.labels(**self._labels).set(plan.kv_gain_vs(baseline))
 
+    def set_table_memory(self, tables, baseline=None) -> None:
+        """Table bytes and host bytes this engine really allocated (`tables.stats()` of
+        `engram_ray.tables.table.EngramTables`), and the KV-cache gain against `baseline` (the
+        unsplit plan). The `shm` backend keeps slices in host memory, so its bytes also count
+        as host bytes."""
+        stats = tables.stats()
+        placement = "peer" if stats["size"] > 1 else "hbm"
+        total = 0
+        for table in stats["tables"]:
+            self.table_bytes.labels(**self._labels, table=table_name(table["layer_id"]),
+                                    placement=placement).set(table["local_bytes"])
+            total += table["local_bytes"]
+        self.host_bytes.labels(**self._labels).set(total if stats["backend"] == "shm" else 0)
+        if baseline is not None:
+            self.kv_gain_bytes.labels(**self._labels).set(baseline.hbm_bytes_per_gpu - total)
+
     def set_kv_cache(self, capacity_bytes: int, capacity_tokens: int, usage: float) -> None:
         """Capacity and use of the KV cache; headroom = capacity * (1 - usage)."""
         usage = min(1.0, max(0.0, float(usage)))
@@ -198,30 +223,6 @@ def generation_number(generation) -> int:
     return int(digits.group(1)) if digits else 0
 
 
-def set_table_memory(metrics: EngineMetrics, tables, baseline=None) -> dict:
-    """Table bytes and host bytes this member really allocated (`engram_ray.tables.table.
-    PeerGroupTables.stats()`), and the KV-cache gain against `baseline` (the unsplit plan).
-    The `shm` backend keeps slices in host memory, so its bytes also count as host bytes.
-    Returns the stats."""
-    stats = tables.stats()
-    placement = "peer" if stats["size"] > 1 else "hbm"
-    total = 0
-    for table in stats["tables"]:
-        metrics.table_bytes.labels(**metrics._labels, table=table_name(table["layer_id"]),
-                                   placement=placement).set(table["local_bytes"])
-        total += table["local_bytes"]
-    metrics.host_bytes.labels(**metrics._labels).set(total if stats["backend"] == "shm" else 0)
-    if baseline is not None:
-        metrics.kv_gain_bytes.labels(**metrics._labels).set(baseline.hbm_bytes_per_gpu - total)
-    return stats
-
-
-def set_from_tables(metrics: EngineMetrics, tables, baseline=None) -> None:
-    """`set_table_memory`, plus group generation and rendezvous time of an open peer group."""
-    stats = set_table_memory(metrics, tables, baseline)
-    metrics.set_group(generation_number(stats["generation"]), True, stats["rendezvous_seconds"])
-
-
 def time_on_host(metrics: EngineMetrics, layer_id: int, rows_per_rank: int, rank: int,
                  lookup, row_ids):
     """`lookup()` of `row_ids` timed on the host clock, local/remote rows counted: right for
@@ -233,18 +234,6 @@ def time_on_host(metrics: EngineMetrics, layer_id: int, rows_per_rank: int, rank
     metrics.observe_lookup(table_name(layer_id), seconds,
                            *count_remote_rows(row_ids, rows_per_rank, rank))
     return result
-
-
-def metered_lookup(metrics: EngineMetrics, tables, layer_id: int, row_ids, out: str = "packed"):
-    """`tables.lookup(layer_id, row_ids, out)` of CPU tables (the shm backend), timed, with
-    local/remote rows counted. CUDA lookups are metered without device syncs by
-    `engram_ray.metrics.lookup_meter.LookupMeter` (the serving path: `GroupTables`)."""
-    if getattr(row_ids, "is_cuda", False):
-        raise ValueError("metered_lookup times CPU lookups; CUDA lookups are metered by "
-                         "engram_ray.metrics.lookup_meter.LookupMeter (events, no device sync)")
-    table = tables.tables[layer_id]
-    return time_on_host(metrics, layer_id, table.rows_per_rank, tables.spec.rank,
-                        lambda: tables.lookup(layer_id, row_ids, out), row_ids)
 
 
 class _DrainOnCollect:

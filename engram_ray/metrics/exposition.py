@@ -162,17 +162,16 @@ def start_process_metrics(additional_config) -> EngineMetrics | None:
     `engram_metrics` entry (the engine was not started by the Serve app).
 
     `additional_config["engram_metrics"]`: model, engine, peer_group, rank, bind_address,
-    advertise_host, target_file, port (fixed, or 0/absent for a free one). Feed lookups with `metered_lookup(metrics, tables, ...)`.
+    advertise_host, target_file, port (fixed, or 0/absent for a free one). Tables feed it
+    through `engram_ray.tables.table.EngramTables.attach_meters`.
     """
     raw = (additional_config or {}).get(PROCESS_METRICS_KEY)
     if not raw:
         return None
     metrics = EngineMetrics(EngineIdentity(raw["model"], raw["engine"], raw["peer_group"],
                                            int(raw["rank"])))
-    metrics.server = MetricsServer([metrics.registry], raw.get("bind_address",
-                                                               DEFAULT_BIND_ADDRESS),
-                                   int(raw.get("port") or 0), include_process_registry=False,
-                                   advertise_host=raw.get("advertise_host"))
+    metrics.serve(raw.get("bind_address", DEFAULT_BIND_ADDRESS), int(raw.get("port") or 0),
+                  advertise_host=raw.get("advertise_host"))
     directory = os.path.dirname(os.path.abspath(raw["target_file"]))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_target.")

@@ -97,7 +97,8 @@ class GenerationBook:
         dep = self.config
         return {"group_id": group.group_id, "domain_id": group.domain_id, "member_rank": rank,
                 "size": dep.peer_group_size, "generation": gen.generation,
-                "generation_index": gen.index, "gang_id": gen.gang_id, "store": gen.store_dir,
+                "generation_index": gen.index, "gang_id": gen.gang_id,
+                "store_dir": gen.store_dir,
                 "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend,
                 "handle_type": dep.handle_type,
                 "slices": [(s.layer_id, s.start, s.end)
@@ -170,7 +171,7 @@ class GenerationBook:
                       "generation": g.current.generation if g.current else None,
                       "generation_index": g.current.index if g.current else 0,
                       "gang_id": g.current.gang_id if g.current else None,
-                      "store": g.current.store_dir if g.current else None,
+                      "store_dir": g.current.store_dir if g.current else None,
                       "members": {r: dict(m) for r, m in g.current.members.items()}
                       if g.current else {},
                       "started_at": g.current.started_at if g.current else None,

@@ -40,6 +40,7 @@ from engram_ray.serve.engine_shm import record_segments, release_recorded
 from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
                                           port_name)
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
+from engram_ray.tables.settings import PeerGroupSettings
 
 APP_CONFIG_KEY = "engram_app"
 GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
@@ -86,16 +87,13 @@ class EngramStatLogger:
         pass
 
 
-def peer_group_settings(assignment: dict, dp_rank: int = 0) -> dict:
-    """`additional_config.engram_peer_group` of a replica from its coordinator assignment
-    (`engram_ray.vllm.peer_settings`): `rank` is the member of DP rank 0 of its data-parallel
-    gang (the plugin adds the DP rank); a handle type only when the deployment requests one."""
-    keys = ("size", "store", "generation", "timeout_s", "backend")
-    settings = {key: assignment[key] for key in keys}
-    settings["rank"] = assignment["member_rank"] - dp_rank
-    if assignment.get("handle_type") is not None:
-        settings["handle_type"] = assignment["handle_type"]
-    return settings
+def peer_group_settings(assignment: dict, dp_rank: int = 0) -> PeerGroupSettings:
+    """This replica's `engram_ray.tables.settings.PeerGroupSettings` from its coordinator
+    assignment: `rank` is the member of DP rank 0 of its data-parallel gang (the plugin adds
+    the DP rank); a handle type only when the deployment requests one."""
+    keys = ("size", "store_dir", "generation", "timeout_s", "backend", "handle_type")
+    return PeerGroupSettings(rank=assignment["member_rank"] - dp_rank,
+                             **{key: assignment[key] for key in keys})
 
 
 class EngramServerMixin:
@@ -157,7 +155,8 @@ class EngramServerMixin:
         self._metrics_slot = slot = await self._coordinator.metrics_slot.remote(
             self._replica_id, ray.get_runtime_context().get_node_id())
         additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
-        additional["engram_peer_group"] = peer_group_settings(a, getattr(self, "dp_rank", 0))
+        settings = peer_group_settings(a, getattr(self, "dp_rank", 0))
+        additional.update(settings.to_additional_config())
         additional[PROCESS_METRICS_KEY] = {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),

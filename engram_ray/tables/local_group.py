@@ -23,7 +23,8 @@ import torch
 from engram_ray.model.layout import EngramLayout
 from engram_ray.model.reference import lookup_reference
 from engram_ray.model.synthetic import synthetic_rows
-from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.tables.table import open_group_tables
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,12 @@ def check_member(rank: int, layout: EngramLayout, size: int, store_dir: str, gen
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    spec = PeerGroupSpec(size=size, rank=rank, store_dir=store_dir, generation=generation,
-                         timeout_s=timeout_s, handle_type=handle_type)
+    settings = PeerGroupSettings(size=size, rank=rank, store_dir=store_dir,
+                                 generation=generation, timeout_s=timeout_s, backend=backend,
+                                 handle_type=handle_type)
     if start_barrier:
         file_barrier(start_barrier, "start", rank, list(range(size)))
-    tables = open_group_tables(layout, spec, backend=backend, device=device, seed=seed)
+    tables = open_group_tables(layout, settings, device=device, seed=seed)
     try:
         checks = {}
         for layer_id, num_rows in zip(layout.layer_ids, layout.rows_per_table):

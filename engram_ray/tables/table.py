@@ -1,79 +1,58 @@
-"""Peer-group tables: each member holds one slice of every Engram table, reads peers' in place.
+"""Engram tables as one engine holds them: whole, or this member's slice of a peer group.
 
-Table of `rows` rows over a group of P: `rows_per_rank = ceil(rows / P)`; rank r owns rows
-`[r * rows_per_rank, min(rows, (r + 1) * rows_per_rank))` (`engram_ray.planning.memory.slice_range`) and
-allocates `rows_per_rank` packed rows `[rows_per_rank, row_bytes]` uint8 (padding rows of the
-last rank are zero). `open_group_tables` allocates and fills this rank's slices, then does the
-group's one rendezvous (`engram_ray.tables.rendezvous`); lookups read every slice in place.
+`EngramTables` is every Engram table of a model in one engine, behind one interface (`lookup`,
+`reader`, `load_checkpoint_tensor`, `stats`, `close`), made one of two ways:
 
-P = 1 is the same path with one member: a whole local table.
+- `EngramTables.whole(layout, device)`: every table whole in this process (packed
+  `[rows, row_bytes]` uint8), filled by vLLM's weight loading (`load_checkpoint_tensor`).
+- `EngramTables.member(layout, settings, device)`: this member's slices. A table of `rows`
+  rows over a group of P: `rows_per_rank = ceil(rows / P)`; rank r owns rows
+  `[r * rows_per_rank, min(rows, (r + 1) * rows_per_rank))`
+  (`engram_ray.planning.memory.slice_range`) in `rows_per_rank` packed rows (padding rows of
+  the last rank are zero). Slices are allocated (`add_table`) and filled before the group's one
+  rendezvous (`join`); lookups then read every slice in place. `open_group_tables` does it all.
+  With `metrics` (`engram_ray.metrics.engine.EngineMetrics`) the joined member's lookups are
+  timed and their local/remote rows counted (one `engram_ray.metrics.lookup_meter.LookupMeter`
+  per table: every lookup on CPU, one in `GPU_SAMPLE_EVERY` on GPU through CUDA events, no
+  device sync, never inside a capture), and what it allocated is published.
+
+Each table is an `EngramTable`; a whole table is the P = 1 case without a memory backend.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
-from engram_ray.tables.backends.base import PeerMemory
-from engram_ray.tables.backends.handle_types import check_handle_request
-from engram_ray.planning.memory import rows_per_rank, slice_range
 from engram_ray.model.reference import row_bytes_for
+from engram_ray.planning.memory import rows_per_rank, slice_range
 from engram_ray.tables import BACKENDS, FILLS
+from engram_ray.tables.backends.base import PeerMemory
 from engram_ray.tables.rendezvous import Rendezvous
-
-_GENERATION = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-
-@dataclass(frozen=True)
-class PeerGroupSpec:
-    """This member's place in a peer group; validates on construction, naming the bad field."""
-
-    size: int                   # P, members of the group
-    rank: int                   # 0 <= rank < size
-    store_dir: str              # peer_group_store directory for this generation
-    generation: str             # generation id chosen by the coordinator ([A-Za-z0-9._-]{1,64})
-    timeout_s: float = 120.0    # how long the rendezvous waits for every member
-    handle_type: str | None = None  # cuda backend: "fabric" | "posix_fd" only, None: group picks
-    cross_node: bool = False    # the group spans hosts: needs handle_type "fabric"
-
-    def __post_init__(self):
-        for name, value in (("size", self.size), ("rank", self.rank)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"peer_group.{name}", f"is {value!r}", "an integer")
-        if self.size < 1:
-            raise ConfigError("peer_group.size", f"is {self.size}", "an integer >= 1")
-        if not 0 <= self.rank < self.size:
-            raise ConfigError("peer_group.rank", f"is {self.rank}", f"0 <= rank < {self.size}")
-        if not isinstance(self.store_dir, str) or not self.store_dir:
-            raise ConfigError("peer_group.store_dir", f"is {self.store_dir!r}",
-                              "a directory path (peer_group_store)")
-        if not isinstance(self.generation, str) or not _GENERATION.fullmatch(self.generation):
-            raise ConfigError("peer_group.generation", f"is {self.generation!r}",
-                              "1-64 characters of letters, digits, '.', '_' or '-'")
-        if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
-                or not self.timeout_s > 0):
-            raise ConfigError("peer_group.timeout_s", f"is {self.timeout_s!r}",
-                              "a positive number of seconds")
-        check_handle_request(self.handle_type, self.cross_node, "peer_group")
+from engram_ray.tables.settings import PeerGroupSettings
 
 
-class PeerGroupTable:
-    """One Engram table (one model layer) split over the group; this rank's slice is `local`."""
+class EngramTable:
+    """One Engram table (one model layer): rows `[slice_start, slice_end)` of `num_rows` in
+    `local` (`[rows_per_rank, row_bytes]` uint8; the whole table in a group of one)."""
 
-    def __init__(self, layer_id: int, num_rows: int, head_dim: int, spec: PeerGroupSpec,
-                 memory: PeerMemory):
+    def __init__(self, layer_id: int, num_rows: int, head_dim: int, *, size: int = 1,
+                 rank: int = 0, memory: PeerMemory | None = None,
+                 device: str | torch.device = "cpu"):
         self.layer_id, self.num_rows, self.head_dim = layer_id, num_rows, head_dim
         self.row_bytes = row_bytes_for(head_dim)
-        self.rows_per_rank = rows_per_rank(num_rows, spec.size)
-        self.slice_start, self.slice_end = slice_range(num_rows, spec.size, spec.rank)
+        self.rows_per_rank = rows_per_rank(num_rows, size)
+        self.slice_start, self.slice_end = slice_range(num_rows, size, rank)
         self._memory = memory
-        self.local = memory.allocate(layer_id, self.rows_per_rank, self.row_bytes)
+        if memory is None:
+            self.local = torch.zeros(self.rows_per_rank, self.row_bytes, dtype=torch.uint8,
+                                     device=device)
+        else:
+            self.local = memory.allocate(layer_id, self.rows_per_rank, self.row_bytes)
         self._peer_bases: torch.Tensor | None = None
         self._reader = None
 
@@ -95,6 +74,17 @@ class PeerGroupTable:
             raise ConfigError("fill", f"is {fill!r}", f"one of {', '.join(FILLS)}")
         self.local[self.num_owned_rows:].zero_()
 
+    def load_columns(self, kind: str, weight: torch.Tensor, name: str) -> None:
+        """vLLM's weight loading of a whole table: `kind` "weight" (fp8 values, the first
+        head_dim bytes of each row) or "weight_scale_inv" (the scale bytes after them)."""
+        columns = (slice(0, self.head_dim) if kind == "weight"
+                   else slice(self.head_dim, self.row_bytes))
+        raw = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
+        if raw.shape != self.local[:, columns].shape:
+            raise ValueError(f"{name} is {tuple(raw.shape)}; expected "
+                             f"{tuple(self.local[:, columns].shape)} from config.json")
+        self.local[:, columns] = raw.to(self.local.device)
+
     def lookup(self, row_ids: torch.Tensor, out: str = "packed",
                into: torch.Tensor | None = None) -> torch.Tensor:
         """row_ids int32/int64 `[T, C]` (-1 = no row) -> uint8 `[T, C, row_bytes]` or bf16
@@ -105,10 +95,12 @@ class PeerGroupTable:
     @property
     def reader(self):
         """This table's `engram_ray.tables.lookup.TableLookup` over every rank's slice (made
-        once, after the rendezvous mapped the peers' slices)."""
+        once; for a group, after the rendezvous mapped the peers' slices)."""
         if self._reader is None:
             from engram_ray.tables.lookup import TableLookup
-            if self._memory.name == "shm":
+            if self._memory is None:
+                self._reader = TableLookup(self.head_dim, table=self.local)
+            elif self._memory.name == "shm":
                 # Owned rows only, so ids past the table's end fail instead of reading padding.
                 slices = [s[:max(0, self.num_rows - r * self.rows_per_rank)]
                           for r, s in enumerate(self._memory.slices(self.layer_id))]
@@ -133,35 +125,138 @@ class PeerGroupTable:
         self._peer_bases = self._reader = None
 
     def stats(self) -> dict:
+        local_bytes = (self._memory.allocated_bytes(self.layer_id) if self._memory is not None
+                       else self.local.numel())
         return {"layer_id": self.layer_id, "rows": self.num_rows,
                 "slice": [self.slice_start, self.slice_end], "rows_per_rank": self.rows_per_rank,
-                "local_bytes": self._memory.allocated_bytes(self.layer_id),
-                "row_bytes": self.row_bytes}
+                "local_bytes": local_bytes, "row_bytes": self.row_bytes}
 
 
-class PeerGroupTables:
-    """Every Engram table of a model for one member of a peer group (see `open_group_tables`)."""
+class EngramTables:
+    """Every Engram table of a model in one engine, whole or this member's slices (module doc)."""
 
-    def __init__(self, layout: EngramLayout, spec: PeerGroupSpec, memory: PeerMemory,
-                 tables: dict[int, PeerGroupTable], rendezvous_seconds: float,
-                 rendezvous_started_at: float = 0.0):
-        self.layout, self.spec, self.tables = layout, spec, tables
-        self.rendezvous_seconds = rendezvous_seconds
-        self.rendezvous_started_at = rendezvous_started_at  # epoch seconds of arrival
-        self._memory = memory
+    def __init__(self, layout: EngramLayout, *, settings: PeerGroupSettings | None = None,
+                 memory: PeerMemory | None = None, device: str | torch.device = "cpu",
+                 metrics=None):
+        self.layout, self.settings, self.device, self.metrics = layout, settings, device, metrics
+        self.tables: dict[int, EngramTable] = {}
+        self.rendezvous_seconds = 0.0
+        self.rendezvous_started_at = 0.0  # epoch seconds of arrival at the rendezvous
+        self.is_joined = settings is None  # whole tables need no rendezvous
+        self.memory = memory
+        self._loaded: set[int] = set()
+
+    @classmethod
+    def whole(cls, layout: EngramLayout, device: str | torch.device = "cpu") -> "EngramTables":
+        tables = cls(layout, device=device)
+        for layer_id in layout.layer_ids:
+            tables.add_table(layer_id)
+        return tables
+
+    @classmethod
+    def member(cls, layout: EngramLayout, settings: PeerGroupSettings, device: str,
+               metrics=None) -> "EngramTables":
+        """This member's tables, none allocated yet (`add_table`), not joined (`join`)."""
+        return cls(layout, settings=settings, memory=make_memory(settings, device),
+                   device=device, metrics=metrics)
+
+    @property
+    def size(self) -> int:
+        return self.settings.size if self.settings else 1
+
+    @property
+    def rank(self) -> int:
+        return self.settings.rank if self.settings else 0
+
+    def add_table(self, layer_id: int) -> EngramTable:
+        """Allocate this engine's rows of the layer's table (all of them for a whole table)."""
+        if layer_id in self.tables:
+            raise RuntimeError(f"Engram table of layer {layer_id} was built twice in one engine")
+        num_rows = self.layout.rows_per_table[self.layout.layer_idx(layer_id)]
+        self.tables[layer_id] = EngramTable(layer_id, num_rows, self.layout.head_dim,
+                                            size=self.size, rank=self.rank,
+                                            memory=self.memory, device=self.device)
+        return self.tables[layer_id]
+
+    def layer_of(self, num_embeddings: int, head_sizes: tuple[int, ...]) -> int:
+        """The layer whose table has these rows and bucket primes (primes are never reused)."""
+        for layer_idx, layer_id in enumerate(self.layout.layer_ids):
+            if (self.layout.rows_per_table[layer_idx] == num_embeddings
+                    and tuple(self.layout.primes[layer_idx]) == tuple(head_sizes)):
+                return layer_id
+        raise ConfigError("ParallelEngramEmbedding", f"has {num_embeddings} rows",
+                          f"one of the config's tables {list(self.layout.rows_per_table)}")
+
+    def mark_loaded(self, layer_id: int) -> None:
+        """vLLM loaded this table's rows; once every table is loaded the member joins."""
+        self._loaded.add(layer_id)
+        if not self.is_joined and self._loaded == set(self.layout.layer_ids):
+            self.join()
+
+    def join(self) -> None:
+        """The group's one rendezvous: publish this rank's slices, map every peer's. On failure
+        the others are told why (they stop at once) and these tables still own their memory."""
+        settings, memory = self.settings, self.memory
+        started_at, start = time.time(), time.perf_counter()
+        rendezvous = Rendezvous(settings.store_dir, settings.generation, settings.size,
+                                settings.rank, settings.timeout_s)
+        try:
+            slices = {str(lid): [t.slice_start, t.slice_end] for lid, t in self.tables.items()}
+            records = rendezvous.gather(dict(memory.describe(), slices=slices,
+                                             fingerprint=self.layout.fingerprint()))
+            memory.map_peers(records)
+            rendezvous.finish()
+            memory.after_rendezvous()
+        except BaseException as exc:
+            rendezvous.fail(f"{type(exc).__name__}: {exc}")
+            rendezvous.close()
+            raise
+        self.rendezvous_seconds = time.perf_counter() - start
+        self.rendezvous_started_at = started_at
+        self.is_joined = True
+        if self.metrics is not None:
+            self._measure(self.metrics)
+
+    def reader(self, layer_id: int):
+        """The layer's `engram_ray.tables.lookup.TableLookup` (for a group: every slice mapped,
+        peer base addresses on the device, so made at `join`, not inside a CUDA-graph capture)."""
+        if not self.is_joined:
+            raise RuntimeError(
+                f"Engram peer group {self.settings.generation}: lookup before the group was "
+                f"joined (tables loaded: {sorted(self._loaded)} of {list(self.layout.layer_ids)})")
+        if layer_id not in self.tables:
+            self.layout.layer_idx(layer_id)  # raises, naming the layers that have tables
+        return self.tables[layer_id].reader
 
     def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str = "packed",
                into: torch.Tensor | None = None) -> torch.Tensor:
         """`[T, C]` int32/int64 -> `[T, C, row_bytes]` uint8 (packed) or `[T, C, head_dim]`
-        bf16, written into `into` when given (`PeerGroupTable.lookup`)."""
-        if layer_id not in self.tables:
-            self.layout.layer_idx(layer_id)  # raises, naming the layers that have tables
-        return self.tables[layer_id].lookup(row_ids, out, into)
+        bf16, written into `into` when given (`engram_ray.tables.lookup.TableLookup.lookup`)."""
+        return self.reader(layer_id).lookup(row_ids, out, into)
+
+    def load_checkpoint_tensor(self, name: str, weight: torch.Tensor) -> None:
+        """vLLM's weight loading of one table tensor: written into a whole table; for a group
+        only checked, since this rank's rows were read from the checkpoint before the
+        rendezvous and peers may be reading them already."""
+        layer_id, kind = parse_table_tensor(name)
+        if self.settings is None:
+            self.tables[layer_id].load_columns(kind, weight, name)
+
+    def _measure(self, metrics) -> None:
+        """Meters on every table's reads and the memory really allocated (module doc)."""
+        from engram_ray.metrics.lookup_meter import LookupMeter
+        from engram_ray.planning.memory import make_plan
+        for layer_id, table in self.tables.items():
+            table.reader.meter = LookupMeter(metrics, layer_id, table.rows_per_rank, self.rank)
+        metrics.set_table_memory(self, baseline=make_plan(self.layout, "hbm"))
 
     def stats(self) -> dict:
-        return {"backend": self._memory.name, "handle_type": self._memory.handle_type,
-                "generation": self.spec.generation, "rank": self.spec.rank,
-                "size": self.spec.size, "rendezvous_seconds": self.rendezvous_seconds,
+        memory = self.memory
+        return {"backend": memory.name if memory else "local",
+                "handle_type": memory.handle_type if memory else None,
+                "generation": self.settings.generation if self.settings else None,
+                "rank": self.rank, "size": self.size,
+                "rendezvous_seconds": self.rendezvous_seconds,
                 "rendezvous_started_at": self.rendezvous_started_at,
                 "tables": [t.stats() for t in self.tables.values()]}
 
@@ -169,23 +264,33 @@ class PeerGroupTables:
         """Unmap peers' slices and release own ones (shm files, CUDA mappings). Idempotent."""
         for table in self.tables.values():
             table.release()
-        self._memory.close()
+        if self.memory is not None:
+            self.memory.close()
 
 
-def make_memory(backend: str, spec: PeerGroupSpec, device: str) -> PeerMemory:
-    """This member's backend; the spec's handle_type and cross_node reach its constructor
-    (the cuda backend honours them, the shm backend refuses a CUDA handle type)."""
-    if backend not in BACKENDS:
-        raise ConfigError("backend", f"is {backend!r}", f"one of {', '.join(BACKENDS)}")
-    module_name, class_name = BACKENDS[backend].split(":")
+def parse_table_tensor(name: str) -> tuple[int, str]:
+    """(layer id, "weight" | "weight_scale_inv") of a checkpoint table tensor name."""
+    import re
+
+    match = re.search(r"layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv)$", name)
+    if match is None:
+        raise ValueError(f"{name!r} is not an Engram table tensor "
+                         "(expected '...layers.<id>.engram.embed.weight[_scale_inv]')")
+    return int(match.group(1)), match.group(2)
+
+
+def make_memory(settings: PeerGroupSettings, device: str) -> PeerMemory:
+    """This member's backend (`settings.backend`); handle_type and cross_node reach its
+    constructor (the cuda backend honours them, the shm backend refuses a CUDA handle type)."""
+    module_name, class_name = BACKENDS[settings.backend].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(rank=spec.rank, size=spec.size, device=device, tag=spec.generation,
-               handle_type=spec.handle_type, cross_node=spec.cross_node)
+    return cls(rank=settings.rank, size=settings.size, device=device, tag=settings.generation,
+               handle_type=settings.handle_type, cross_node=settings.cross_node)
 
 
-def open_group_tables(layout: EngramLayout, spec: PeerGroupSpec, *, backend: str = "shm",
+def open_group_tables(layout: EngramLayout, settings: PeerGroupSettings, *,
                       device: str = "cpu", fill: str = "synthetic", seed: int = 0,
-                      checkpoint: str | None = None) -> PeerGroupTables:
+                      checkpoint: str | None = None, metrics=None) -> EngramTables:
     """Allocate this rank's slice of every Engram table of the model, fill it, and do the ONE
     rendezvous of the group (blocks until all `size` members arrive or timeout_s passes)."""
     if fill not in FILLS:
@@ -193,35 +298,12 @@ def open_group_tables(layout: EngramLayout, spec: PeerGroupSpec, *, backend: str
     if fill == "checkpoint" and not checkpoint:
         raise ConfigError("checkpoint", "is missing", "a safetensors file or folder for "
                           "fill='checkpoint'")
-    memory = make_memory(backend, spec, device)
+    tables = EngramTables.member(layout, settings, device, metrics)
     try:
-        tables = {}
-        for layer_id, num_rows in zip(layout.layer_ids, layout.rows_per_table):
-            tables[layer_id] = PeerGroupTable(layer_id, num_rows, layout.head_dim, spec, memory)
-            tables[layer_id].fill(fill, seed, checkpoint)
-        return join_group(layout, spec, memory, tables)
+        for layer_id in layout.layer_ids:
+            tables.add_table(layer_id).fill(fill, seed, checkpoint)
+        tables.join()
+        return tables
     except BaseException:
-        memory.close()
+        tables.close()
         raise
-
-
-def join_group(layout: EngramLayout, spec: PeerGroupSpec, memory: PeerMemory,
-               tables: dict[int, PeerGroupTable]) -> PeerGroupTables:
-    """The group's one rendezvous: publish this rank's slices, map every peer's. On failure the
-    others are told why (they stop at once) and the caller still owns `memory`."""
-    started_at, start = time.time(), time.perf_counter()
-    rendezvous = Rendezvous(spec.store_dir, spec.generation, spec.size, spec.rank,
-                            spec.timeout_s)
-    try:
-        slices = {str(lid): [t.slice_start, t.slice_end] for lid, t in tables.items()}
-        records = rendezvous.gather(dict(memory.describe(), slices=slices,
-                                         fingerprint=layout.fingerprint()))
-        memory.map_peers(records)
-        rendezvous.finish()
-        memory.after_rendezvous()
-    except BaseException as exc:
-        rendezvous.fail(f"{type(exc).__name__}: {exc}")
-        rendezvous.close()
-        raise
-    return PeerGroupTables(layout, spec, memory, tables, time.perf_counter() - start,
-                           started_at)

@@ -11,7 +11,7 @@ use_thp=False)` and:
   `additional_config["engram_ray_lookup"] = true` a single-shard table (TP = 1, no DP split,
   no DP-shared host memory) is stored packed (`[rows, row_bytes]`, HBM or pinned/THP host) and
   looked up with engram-ray's kernel and tile policy instead of vLLM's;
-- with one, stores this engine's row slice of the table (`engram_ray.tables.table.PeerGroupTable`,
+- with one, stores this engine's row slice of the table (`engram_ray.tables.table.EngramTable`,
   `rows_per_rank = ceil(rows / P)`), exposes it as the `weight` / `weight_scale_inv`
   parameters (strided views of the packed slice) so vLLM's own loader narrows the checkpoint
   to this rank's rows, joins the group once every table of the engine is loaded (the
@@ -33,12 +33,13 @@ from torch import nn
 
 from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
-from engram_ray.vllm.peer_settings import ADDITIONAL_CONFIG_KEY, PeerGroupSettings
+from engram_ray.tables.settings import FIELD as _FIELD
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.tables.table import EngramTables
 
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 PACKED_LOOKUP_KEY = "engram_ray_lookup"
 SUPPORTED_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
-_FIELD = f"additional_config.{ADDITIONAL_CONFIG_KEY}"
 
 
 def check_peer_group_supported(vllm_config, cpu_offload: bool) -> None:
@@ -61,101 +62,35 @@ def check_peer_group_supported(vllm_config, cpu_offload: bool) -> None:
                           "--engram-config '{\"cpu_offload\": false}')")
 
 
-class GroupSession:
-    """This engine's member of the peer group: one slice per table, one rendezvous."""
-
-    def __init__(self, layout: EngramLayout, settings: PeerGroupSettings, device: str,
-                 metrics=None):
-        from engram_ray.tables.table import make_memory
-
-        self.layout, self.settings, self.spec = layout, settings, settings.to_spec()
-        self.memory = make_memory(settings.backend, self.spec, device)
-        self.tables, self.loaded, self.group = {}, set(), None
-        self.metrics = metrics  # the Serve app's model-process endpoint (lookups), or None
-
-    def add_table(self, num_embeddings: int, head_sizes: tuple[int, ...]):
-        """Allocate the slice of the table with these sizes; returns its PeerGroupTable."""
-        from engram_ray.tables.table import PeerGroupTable
-
-        layer_id = self.layer_of(num_embeddings, head_sizes)
-        if layer_id in self.tables:
-            raise RuntimeError(f"Engram table of layer {layer_id} was built twice in one engine")
-        self.tables[layer_id] = PeerGroupTable(layer_id, num_embeddings, self.layout.head_dim,
-                                               self.spec, self.memory)
-        return self.tables[layer_id]
-
-    def layer_of(self, num_embeddings: int, head_sizes: tuple[int, ...]) -> int:
-        """The layer whose table has these rows and bucket primes (primes are never reused)."""
-        for layer_idx, layer_id in enumerate(self.layout.layer_ids):
-            if (self.layout.rows_per_table[layer_idx] == num_embeddings
-                    and tuple(self.layout.primes[layer_idx]) == tuple(head_sizes)):
-                return layer_id
-        raise ConfigError("ParallelEngramEmbedding", f"has {num_embeddings} rows",
-                          f"one of the config's tables {list(self.layout.rows_per_table)}")
-
-    def mark_loaded(self, layer_id: int) -> None:
-        """Called once per table after weight loading; the last one joins the group."""
-        self.loaded.add(layer_id)
-        if self.group is None and self.loaded == set(self.layout.layer_ids):
-            self.join()
-
-    def join(self) -> None:
-        """The group's one rendezvous: publish own slices, map every peer's."""
-        from engram_ray.vllm.engram_tables import GroupTables
-        from engram_ray.tables.table import join_group
-
-        self.group = join_group(self.layout, self.spec, self.memory, self.tables)
-        # Timed, local/remote-counted lookups when `metrics` is set, as for the tiny model's
-        # tables: the dashboards' lookup panels have data for DeepSeek-V4.1 too.
-        self._reader = GroupTables(self.group, self.metrics)
-        if self.metrics is not None:  # measured: what this member really allocated
-            from engram_ray.metrics.engine import set_table_memory
-            from engram_ray.planning.memory import make_plan
-            set_table_memory(self.metrics, self.group, baseline=make_plan(self.layout, "hbm"))
-
-    def reader(self, layer_id: int):
-        """The layer's `engram_ray.tables.lookup.TableLookup` (every slice mapped, peer base
-        addresses already on the device: made at `join`, not inside a CUDA-graph capture)."""
-        if self.group is None:
-            raise RuntimeError(
-                f"Engram peer group {self.spec.generation}: lookup before the group was "
-                f"joined (tables loaded: {sorted(self.loaded)} of {list(self.layout.layer_ids)})")
-        return self._reader.readers[layer_id]
-
-    def lookup(self, layer_id: int, row_ids: torch.Tensor, out: str) -> torch.Tensor:
-        """Rows of `row_ids` in a new output ("packed" or "bf16"); the model writes into its
-        own buffer through `reader(layer_id)` instead."""
-        return self.reader(layer_id).lookup(row_ids, out)
+_MEMBERS: dict[tuple, EngramTables] = {}
 
 
-_SESSIONS: dict[tuple, GroupSession] = {}
-
-
-def group_session(vllm_config, settings: PeerGroupSettings) -> GroupSession:
-    """One session per (store, generation, rank) in this process."""
-    key = (settings.store, str(settings.generation), settings.rank)
-    if key not in _SESSIONS:
+def member_tables(vllm_config, settings: PeerGroupSettings) -> EngramTables:
+    """This engine's `engram_ray.tables.table.EngramTables` of its peer group, one per
+    (store, generation, rank) in this process: each table's slice is allocated as vLLM builds
+    its module (`add_table`), the group is joined once every table is loaded (`mark_loaded`).
+    With the Serve app's model-process metrics endpoint, lookups are timed and counted (the
+    dashboards' lookup panels have data for DeepSeek-V4.1 too)."""
+    key = (settings.store_dir, settings.generation, settings.rank)
+    if key not in _MEMBERS:
         from engram_ray.metrics.exposition import start_process_metrics
 
         config = vllm_config.model_config.hf_text_config.to_dict()
         layout = EngramLayout.from_config(config, "model config")
         device = ("cpu" if settings.backend == "shm"
                   else f"cuda:{torch.cuda.current_device()}")
-        _SESSIONS[key] = GroupSession(layout, settings, device,
-                                      start_process_metrics(vllm_config.additional_config))
-    return _SESSIONS[key]
+        _MEMBERS[key] = EngramTables.member(
+            layout, settings, device, start_process_metrics(vllm_config.additional_config))
+    return _MEMBERS[key]
 
 
-def close_sessions() -> None:
-    """Release every peer-group session of this process (own slices, peers' mappings)."""
-    while _SESSIONS:
-        _, session = _SESSIONS.popitem()
-        if session.group is not None:
-            session.group.close()
-        else:
-            session.memory.close()
-        if session.metrics is not None:
-            session.metrics.server.stop()
+def close_members() -> None:
+    """Release every peer-group member of this process (own slices, peers' mappings)."""
+    while _MEMBERS:
+        _, tables = _MEMBERS.popitem()
+        tables.close()
+        if tables.metrics is not None:
+            tables.metrics.server.stop()
 
 
 def _join_hook_class():
@@ -173,7 +108,7 @@ def _join_hook_class():
             raise NotImplementedError("Engram peer tables are looked up, not applied")
 
         def process_weights_after_loading(self, layer: nn.Module) -> None:
-            layer.session.mark_loaded(layer.layer_id)
+            layer.peer_tables.mark_loaded(layer.layer_id)
 
     return JoinGroupAfterLoading
 
@@ -221,9 +156,9 @@ def make_peer_embedding_class(base: type) -> type:
             self.head_start, self.vocab_start_idx = 0, 0
             self.vocab_end_idx = sum(head_sizes)
             self._views = self._view_src = None
-            session = group_session(vllm_config, settings)
-            table = session.add_table(num_embeddings, head_sizes)
-            object.__setattr__(self, "session", session)  # shared, not a submodule
+            tables = member_tables(vllm_config, settings)
+            table = tables.add_table(tables.layer_of(num_embeddings, head_sizes))
+            object.__setattr__(self, "peer_tables", tables)  # shared, not a submodule
             self.layer_id = table.layer_id
             self.peer_rows = table.rows_per_rank
             self.part_num_embeddings = table.num_owned_rows
@@ -279,7 +214,7 @@ def make_peer_embedding_class(base: type) -> type:
         def _bind_rows(self):
             """This table's `TableLookup`, made once (peer tables: once the group is joined)."""
             if self.is_peer_table:
-                rows = self.session.reader(self.layer_id)
+                rows = self.peer_tables.reader(self.layer_id)
             else:
                 from engram_ray.tables.lookup import TableLookup
                 rows = TableLookup(self.dim, table=self._packed_table)

@@ -29,17 +29,18 @@ def _checkpoint_table(layer_idx, layout):
 
 
 def session_member(rank, layout, size, store_dir, generation):
-    from engram_ray.vllm.deepseek_engram import GroupSession
-    from engram_ray.vllm.peer_settings import PeerGroupSettings
+    from engram_ray.tables.settings import PeerGroupSettings
+    from engram_ray.tables.table import EngramTables
     from engram_ray.model.reference import lookup_reference
 
     torch.cuda.set_device(rank)
-    settings = PeerGroupSettings(size=size, store=store_dir, rank=rank, generation=generation,
+    settings = PeerGroupSettings(size=size, store_dir=store_dir, rank=rank, generation=generation,
                                  backend="cuda", timeout_s=60)
-    session = GroupSession(layout, settings, f"cuda:{rank}")
+    session = EngramTables.member(layout, settings, f"cuda:{rank}")
     dim, full = layout.head_dim, {}
     for layer_idx, layer_id in enumerate(layout.layer_ids):
-        table = session.add_table(layout.rows_per_table[layer_idx], layout.primes[layer_idx])
+        table = session.add_table(session.layer_of(layout.rows_per_table[layer_idx],
+                                                   layout.primes[layer_idx]))
         assert table.layer_id == layer_id
         full[layer_id] = _checkpoint_table(layer_idx, layout)
         owned = table.local[:table.num_owned_rows]
@@ -48,7 +49,7 @@ def session_member(rank, layout, size, store_dir, generation):
             full[layer_id][:, :dim].view(torch.float8_e4m3fn).narrow(0, start, rows))
         owned[:, dim:].copy_(full[layer_id][:, dim:].narrow(0, start, rows))
     for layer_id in layout.layer_ids:
-        assert session.group is None
+        assert not session.is_joined
         session.mark_loaded(layer_id)
     equal = {}
     gen = torch.Generator().manual_seed(rank)
@@ -59,8 +60,8 @@ def session_member(rank, layout, size, store_dir, generation):
             got = session.lookup(layer_id, ids.cuda().to(torch.int32), out)
             expected = lookup_reference(full[layer_id], ids, dim, out)
             equal[f"{layer_id}/{out}"] = torch.equal(got.cpu(), expected)
-    stats = session.group.stats()
-    session.group.close()
+    stats = session.stats()
+    session.close()
     return {"equal": equal, "stats": stats}
 
 

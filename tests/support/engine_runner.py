@@ -3,7 +3,7 @@ tiny model, the AMX guard, KV-cache capacity). Serve builds its engines' argumen
 (`engram_ray.serve.app.engine_kwargs`); both take the architecture's settings from
 `engram_ray.vllm.engine_settings`.
 
-    args = build_engine_args(model_dir, peer_group={"size": 2, "store": DIR, "rank": 0,
+    args = build_engine_args(model_dir, peer_group={"size": 2, "store_dir": DIR, "rank": 0,
                                                     "generation": "g1"})
     engine = EngramEngine(model_dir, peer_group=...)      # sync, wraps vllm.LLM
     engine.generate(["The river"], max_tokens=16)          # -> [[token ids]] (greedy)
@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from engram_ray.vllm.engine_settings import architecture_engine_kwargs
-from engram_ray.vllm.peer_settings import PeerGroupSettings
+from engram_ray.tables.settings import PeerGroupSettings
 
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 

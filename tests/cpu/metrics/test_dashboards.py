@@ -14,11 +14,12 @@ import torch
 
 from engram_ray.model.layout import EngramLayout
 from engram_ray.model.hashing import hash_ngrams
-from engram_ray.metrics.engine import EngineIdentity, EngineMetrics, metered_lookup, set_from_tables
+from engram_ray.metrics.engine import EngineIdentity, EngineMetrics, generation_number
 from engram_ray.metrics.exposition import MetricsServer, write_file_sd
 from engram_ray.planning.memory import make_plan
 from engram_ray.local.prometheus import Prometheus, scrape_config
-from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.tables.table import open_group_tables
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = ROOT / "dashboards"
@@ -85,10 +86,12 @@ def test_prometheus_config_is_valid():
 class _Engine:
     """One peer-group member with its metrics endpoint, doing real hashed lookups."""
 
-    def __init__(self, rank: int, spec: PeerGroupSpec):
+    def __init__(self, rank: int, settings: PeerGroupSettings):
         self.metrics = EngineMetrics(EngineIdentity("tiny", f"engine-{rank}", "group-0", rank))
-        self.tables = open_group_tables(TINY, spec, backend="shm")
-        set_from_tables(self.metrics, self.tables, baseline=make_plan(TINY, "hbm"))
+        # Measured at the rendezvous: table memory, then every lookup's time and rows.
+        self.tables = open_group_tables(TINY, settings, metrics=self.metrics)
+        self.metrics.set_group(generation_number(settings.generation), True,
+                               self.tables.rendezvous_seconds)
         self.metrics.set_kv_cache(capacity_bytes=1 << 30, capacity_tokens=4096, usage=0.1)
         self.server = MetricsServer([self.metrics.registry])
 
@@ -97,7 +100,7 @@ class _Engine:
             ids = torch.randint(0, TINY.compressed_vocab_size, (64,), generator=generator)
             for layer_idx, layer_id in enumerate(TINY.layer_ids):
                 row_ids = hash_ngrams(ids, TINY, layer_idx, pad_id=TINY.pad_token_id)
-                metered_lookup(self.metrics, self.tables, layer_id, row_ids)
+                self.tables.lookup(layer_id, row_ids)
 
     def close(self):
         self.server.stop()
@@ -107,8 +110,8 @@ class _Engine:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("store") / "g0")
-    specs = [PeerGroupSpec(size=2, rank=r, store_dir=store, generation="gen-1", timeout_s=60)
-             for r in range(2)]
+    specs = [PeerGroupSettings(size=2, rank=r, store_dir=store, generation="gen-1",
+                               timeout_s=60) for r in range(2)]
     opened, threads = {}, []
     for spec in specs:  # the rendezvous needs both members at once
         threads.append(threading.Thread(target=lambda s=spec: opened.__setitem__(

@@ -63,16 +63,15 @@ def test_replica_peer_settings_carry_a_requested_handle_type_and_the_dp_base_ran
     """A deployment's handle_type reaches the engine's `additional_config.engram_peer_group`
     (validated there: CUDA types need backend cuda); none is passed when unset. A DP rank's
     `rank` is the member of DP rank 0 of its gang (the plugin adds the DP rank)."""
-    from engram_ray.vllm.peer_settings import PeerGroupSettings
-
     assignment = {"group_id": "A-g0", "member_rank": 3, "size": 8,
-                  "generation": "t-A-g0.1.x", "generation_index": 1, "store": "/tmp/s",
+                  "generation": "t-A-g0.1.x", "generation_index": 1, "store_dir": "/tmp/s",
                   "timeout_s": 30.0, "backend": "cuda", "handle_type": "posix_fd"}
     settings = peer_group_settings(assignment, dp_rank=1)
-    assert settings["handle_type"] == "posix_fd" and settings["rank"] == 2
-    assert PeerGroupSettings(**settings).for_dp_rank(1, 2).rank == 3
-    assert PeerGroupSettings(**settings).to_spec().handle_type == "posix_fd"
-    assert "handle_type" not in peer_group_settings({**assignment, "handle_type": None})
+    assert settings.handle_type == "posix_fd" and settings.rank == 2
+    assert settings.for_dp_rank(1, 2).rank == 3
+    assert settings.to_additional_config()["engram_peer_group"]["handle_type"] == "posix_fd"
+    unset = peer_group_settings({**assignment, "handle_type": None}).to_additional_config()
+    assert "handle_type" not in unset["engram_peer_group"]
 
 
 def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_local, tmp_path):
@@ -84,13 +83,13 @@ def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_loc
     coordinator = get_coordinator(raw, {"group-0": "node-a"}, "gens")
     first = [ray.get(coordinator.join.remote("group-0", "gang1", r, 2, f"m{r}")) for r in (1, 0)]
     assert {a["generation"] for a in first} == {first[0]["generation"]}
-    assert [a["generation_index"] for a in first] == [1, 1] and os.path.isdir(first[0]["store"])
+    assert [a["generation_index"] for a in first] == [1, 1] and os.path.isdir(first[0]["store_dir"])
     slices = [a["slices"] for a in sorted(first, key=lambda a: a["member_rank"])]
     assert slices[0][0][1] == 0 and slices[0][0][2] == slices[1][0][1]  # rank 1 starts where 0 ends
     ray.get(coordinator.register_target.remote("m0", "127.0.0.1:1"))
     second = ray.get(coordinator.join.remote("group-0", "gang2", 0, 2, "n0"))
     assert second["generation_index"] == 2 and second["generation"] != first[0]["generation"]
-    assert not os.path.exists(first[0]["store"]) and os.path.isdir(second["store"])
+    assert not os.path.exists(first[0]["store_dir"]) and os.path.isdir(second["store_dir"])
     assert json.loads((tmp_path / "targets.json").read_text()) == []  # m0's gang is gone
     status = ray.get(coordinator.status.remote())["group-0"]
     assert status["gang_id"] == "gang2" and [(h["index"], h["gang_id"]) for h in status["history"]] == [

@@ -1,7 +1,7 @@
 """A requested CUDA handle type (`handle_type`, `cross_node`) reaches the backend and is honoured.
 
 Pure decisions (`engram_ray.tables.backends.handle_types`) on their own; then the path from vLLM's
-`additional_config` through `PeerGroupSettings.to_spec` and `make_memory` into real backend
+`additional_config` through `PeerGroupSettings` and `make_memory` into real backend
 objects: the shm backend refuses CUDA handle types, and `CudaPeerMemory` is built on this CPU
 machine with only the driver calls it makes outside allocation stubbed (what "this GPU" can
 use, its context, its uuid), so its constructor, rendezvous record and type choice run as on a
@@ -17,12 +17,12 @@ import torch
 
 from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
-from engram_ray.vllm.peer_settings import PeerGroupSettings
+from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.tables.backends import cuda_driver as drv
 from engram_ray.tables.backends.base import PeerMemoryError
 from engram_ray.tables.backends.handle_types import choose_handle_type, offered_types, requested_type
 from engram_ray.tables.rendezvous import RendezvousError
-from engram_ray.tables.table import PeerGroupSpec, join_group, make_memory, open_group_tables
+from engram_ray.tables.table import EngramTables, make_memory
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
@@ -112,17 +112,17 @@ def test_posix_fd_never_crosses_hosts():
 # --- settings and spec ----------------------------------------------------------------------
 
 def _settings(tmp_path, **extra) -> PeerGroupSettings:
-    raw = {"size": 2, "store": str(tmp_path / "store"), "rank": 0, "generation": "g1"} | extra
+    raw = {"size": 2, "store_dir": str(tmp_path / "store"), "rank": 0, "generation": "g1"} | extra
     return PeerGroupSettings.from_additional_config({"engram_peer_group": raw})
 
 
-def test_settings_carry_the_request_into_the_spec(tmp_path):
-    spec = _settings(tmp_path, backend="cuda", handle_type="posix_fd").to_spec()
-    assert (spec.handle_type, spec.cross_node) == ("posix_fd", False)
-    spec = _settings(tmp_path, backend="cuda", handle_type="fabric", cross_node=True,
-                     size=4).for_dp_rank(1, 2).to_spec()
-    assert (spec.rank, spec.handle_type, spec.cross_node) == (1, "fabric", True)
-    assert _settings(tmp_path).to_spec().handle_type is None
+def test_settings_carry_the_request(tmp_path):
+    settings = _settings(tmp_path, backend="cuda", handle_type="posix_fd")
+    assert (settings.handle_type, settings.cross_node) == ("posix_fd", False)
+    settings = _settings(tmp_path, backend="cuda", handle_type="fabric", cross_node=True,
+                         size=4).for_dp_rank(1, 2)
+    assert (settings.rank, settings.handle_type, settings.cross_node) == (1, "fabric", True)
+    assert _settings(tmp_path).handle_type is None
 
 
 @pytest.mark.parametrize("handle_type", ["fabric", "posix_fd"])
@@ -138,9 +138,9 @@ def test_settings_refuse_a_cuda_handle_type_with_shm(tmp_path, handle_type):
     (dict(cross_node=True, handle_type="posix_fd"), r"is 'posix_fd' for a cross-node group"),
     (dict(cross_node="yes", handle_type="fabric"), r"peer_group.cross_node: is 'yes'"),
 ])
-def test_spec_names_a_bad_request(kwargs, match):
+def test_settings_name_a_bad_request(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        PeerGroupSpec(size=2, rank=0, store_dir="/tmp/x", generation="g1", **kwargs)
+        PeerGroupSettings(size=2, rank=0, store_dir="/tmp/x", generation="g1", **kwargs)
 
 
 # --- shm backend ----------------------------------------------------------------------------
@@ -151,13 +151,13 @@ def test_spec_names_a_bad_request(kwargs, match):
     (dict(handle_type="fabric", cross_node=True), r"'fabric' was requested with the shm"),
 ])
 def test_shm_backend_refuses_cuda_handle_types(tmp_path, monkeypatch, kwargs, match):
+    # PeerGroupSettings already refuses these (test_settings_refuse_a_cuda_handle_type_with_shm);
+    # the backend refuses them too, for callers that construct it directly.
+    from engram_ray.tables.backends.shm import ShmPeerMemory
+
     monkeypatch.setenv("ENGRAM_RAY_SHM_DIR", str(tmp_path))
-    spec = PeerGroupSpec(size=1, rank=0, store_dir=str(tmp_path / "store"), generation="g1",
-                         **kwargs)
     with pytest.raises(PeerMemoryError, match=match):
-        make_memory("shm", spec, "cpu")
-    with pytest.raises(PeerMemoryError, match=match):
-        open_group_tables(TINY, spec)
+        ShmPeerMemory(rank=0, size=1, device="cpu", tag="g1", **kwargs)
     assert os.listdir(tmp_path) == []  # refused before any slice file or store
 
 
@@ -192,29 +192,26 @@ def gpu(monkeypatch):
     (dict(handle_type="fabric", cross_node=True), ("fabric",)),
 ])
 def test_settings_reach_the_cuda_backend(tmp_path, gpu, extra, offered):
-    spec = _settings(tmp_path, backend="cuda", **extra).to_spec()
-    memory = make_memory("cuda", spec, "cuda:0")
+    memory = make_memory(_settings(tmp_path, backend="cuda", **extra), "cuda:0")
     assert memory.offered == offered
     assert memory.describe()["handle_types"] == list(offered)
     assert memory.describe()["handle_request"] == extra.get("handle_type")
     memory.close()
 
 
-def test_deepseek_engine_session_passes_the_request(tmp_path, gpu):
-    from engram_ray.vllm.deepseek_engram import GroupSession
-
-    session = GroupSession(TINY, _settings(tmp_path, backend="cuda", handle_type="posix_fd"),
-                           "cuda:0")
-    assert session.memory.offered == ("posix_fd",)
-    session.memory.close()
+def test_deepseek_engine_member_passes_the_request(tmp_path, gpu):
+    tables = EngramTables.member(TINY, _settings(tmp_path, backend="cuda",
+                                                 handle_type="posix_fd"), "cuda:0")
+    assert tables.memory.offered == ("posix_fd",)
+    tables.close()
 
 
 def test_cuda_backend_refuses_a_request_this_gpu_cannot_use(tmp_path, gpu):
     gpu.usable = ("posix_fd",)
-    spec = _settings(tmp_path, backend="cuda", handle_type="fabric").to_spec()
+    settings = _settings(tmp_path, backend="cuda", handle_type="fabric")
     with pytest.raises(PeerMemoryError, match=r"handle_type 'fabric' was requested but GPU 1 "
                                               r"cannot use it \(it offers \['posix_fd'\]\)"):
-        make_memory("cuda", spec, "cuda:1")
+        make_memory(settings, "cuda:1")
     assert gpu.released == [1]  # the context it retained is let go
 
 
@@ -223,15 +220,17 @@ def _meet(tmp_path, requests: list[str | None]) -> dict:
     outcome = {}
 
     def member(rank):
-        spec = PeerGroupSpec(size=len(requests), rank=rank, store_dir=str(tmp_path / "store"),
-                             generation="g1", timeout_s=20, handle_type=requests[rank])
-        memory = make_memory("cuda", spec, f"cuda:{rank}")
+        settings = PeerGroupSettings(size=len(requests), rank=rank,
+                                     store_dir=str(tmp_path / "store"), generation="g1",
+                                     timeout_s=20, backend="cuda", handle_type=requests[rank])
+        tables = EngramTables.member(TINY, settings, f"cuda:{rank}")
         try:
-            outcome[rank] = join_group(TINY, spec, memory, {}).stats()
+            tables.join()
+            outcome[rank] = tables.stats()
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome[rank] = exc
         finally:
-            memory.close()
+            tables.close()
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(len(requests))]
     for t in threads:

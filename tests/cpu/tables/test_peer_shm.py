@@ -14,7 +14,8 @@ from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
 from engram_ray.tables.local_group import check_member, expected_rows, random_row_ids, run_group
 from engram_ray.planning.memory import make_plan, rows_per_rank, slice_range
-from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.tables.table import open_group_tables
 
 # Two tables of 4,062 and 4,152 rows, 66-byte rows: small, and not multiples of any P used.
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
@@ -56,7 +57,7 @@ def test_group_lookups_equal_reference(size, tmp_path, shm_dir):
 
 
 def test_single_member_is_a_whole_local_table(tmp_path, shm_dir):
-    spec = PeerGroupSpec(size=1, rank=0, store_dir=str(tmp_path / "store"), generation="solo")
+    spec = PeerGroupSettings(size=1, rank=0, store_dir=str(tmp_path / "store"), generation="solo")
     tables = open_group_tables(TINY, spec, seed=7)
     assert [t.local.shape[0] for t in tables.tables.values()] == list(TINY.rows_per_table)
     ids = random_row_ids(TINY.rows_per_table[1], (33, TINY.num_cols), seed=1)
@@ -82,7 +83,7 @@ def test_missing_member_fails_others_naming_it(tmp_path, shm_dir):
 
 def test_own_slice_file_in_use_is_refused(tmp_path, shm_dir):
     (shm_dir / "engram-ray-dup-r0-t1").write_bytes(b"")
-    spec = PeerGroupSpec(size=1, rank=0, store_dir=str(tmp_path / "store"), generation="dup")
+    spec = PeerGroupSettings(size=1, rank=0, store_dir=str(tmp_path / "store"), generation="dup")
     with pytest.raises(Exception, match="engram-ray-dup-r0-t1 exists: another member uses rank 0"):
         open_group_tables(TINY, spec)
     assert os.listdir(shm_dir) == ["engram-ray-dup-r0-t1"]  # only the intruder's file
@@ -95,10 +96,10 @@ def test_own_slice_file_in_use_is_refused(tmp_path, shm_dir):
     ("generation", dict(generation="a/b"), "peer_group.generation: is 'a/b'"),
     ("timeout_s", dict(timeout_s=0), "peer_group.timeout_s: is 0"),
 ])
-def test_spec_names_the_bad_field(field, kwargs, message):
+def test_settings_name_the_bad_field(field, kwargs, message):
     args = dict(size=2, rank=0, store_dir="/tmp/x", generation="g1") | kwargs
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        PeerGroupSpec(**args)
+        PeerGroupSettings(**args)
 
 
 @pytest.mark.parametrize("scale_suffix", ["scale", "weight_scale_inv"])

@@ -12,7 +12,8 @@ import pytest
 
 from engram_ray.model.layout import EngramLayout
 from engram_ray.tables.rendezvous import STORE_FILE, Rendezvous, RendezvousError
-from engram_ray.tables.table import PeerGroupSpec, open_group_tables
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.tables.table import open_group_tables
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
@@ -80,7 +81,7 @@ def test_mismatched_layout_through_tables(tmp_path, monkeypatch):
     outcome = {}
 
     def member(rank, layout):
-        spec = PeerGroupSpec(size=2, rank=rank, store_dir=str(tmp_path / "store"),
+        spec = PeerGroupSettings(size=2, rank=rank, store_dir=str(tmp_path / "store"),
                              generation="g1", timeout_s=10)
         try:
             outcome[rank] = open_group_tables(layout, spec)

@@ -79,7 +79,7 @@ def _finish(started, timeout_s=600):
 
 def _group(model_dir, size, work, name, async_ranks=()):
     store = str(work / f"store_{name}")  # created by the rendezvous, mode 0700
-    return [_start(model_dir, {"size": size, "store": store, "rank": rank,
+    return [_start(model_dir, {"size": size, "store_dir": store, "rank": rank,
                                "generation": name},
                    work / f"{name}_{rank}.json", work / f"{name}_{rank}.log",
                    use_async=rank in async_ranks)

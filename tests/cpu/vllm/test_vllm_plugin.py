@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engram_ray.errors import ConfigError
-from engram_ray.vllm.deepseek_engram import close_sessions
-from engram_ray.vllm.peer_settings import PeerGroupSettings
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.vllm.deepseek_engram import close_members
 from engram_ray.model.reference import lookup_reference, pack_rows
 from engram_ray.vllm.plugin import ENGRAM_MODULE, install_deepseek_patch, register
 
@@ -44,7 +44,7 @@ def engram_module():
 @pytest.fixture(autouse=True)
 def _release_slices():
     yield
-    close_sessions()
+    close_members()
 
 
 def _vllm_config(architecture="DeepseekV41ForCausalLM", tp=1, pp=1, additional=None,
@@ -76,7 +76,7 @@ def _table_args(layout, layer_idx):
 
 
 def _peer(tmp_path, size=1, rank=0, **extra):
-    return PeerGroupSettings(size=size, store=str(tmp_path / "store"), rank=rank,
+    return PeerGroupSettings(size=size, store_dir=str(tmp_path / "store"), rank=rank,
                              generation=uuid.uuid4().hex[:12], backend="shm", timeout_s=30,
                              **extra).to_additional_config()
 
@@ -257,9 +257,9 @@ def test_cross_node_group_needs_fabric_handles(tmp_path):
         _peer(tmp_path, cross_node=True, handle_type="posix_fd")
     with pytest.raises(ConfigError, match="fabric"):
         PeerGroupSettings.from_additional_config({"engram_peer_group": {
-            "size": 2, "store": str(tmp_path), "rank": 0, "generation": "g",
+            "size": 2, "store_dir": str(tmp_path), "rank": 0, "generation": "g",
             "cross_node": True}})
-    assert PeerGroupSettings(size=2, store=str(tmp_path), rank=0, generation="g",
+    assert PeerGroupSettings(size=2, store_dir=str(tmp_path), rank=0, generation="g",
                              backend="cuda", cross_node=True, handle_type="fabric")
     with pytest.raises(ConfigError, match="CUDA handle types"):  # shm slices are files
         _peer(tmp_path, cross_node=True, handle_type="fabric")
@@ -268,9 +268,9 @@ def test_cross_node_group_needs_fabric_handles(tmp_path):
 def test_bad_settings_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="engram_peer_group.rank"):
         PeerGroupSettings.from_additional_config({"engram_peer_group": {
-            "size": 2, "store": str(tmp_path), "generation": "g"}})
+            "size": 2, "store_dir": str(tmp_path), "generation": "g"}})
     with pytest.raises(ConfigError, match="engram_peer_group.sise"):
         PeerGroupSettings.from_additional_config({"engram_peer_group": {
-            "sise": 2, "store": str(tmp_path), "rank": 0, "generation": "g"}})
+            "sise": 2, "store_dir": str(tmp_path), "rank": 0, "generation": "g"}})
     with pytest.raises(ConfigError, match="rank"):
-        PeerGroupSettings(size=2, store=str(tmp_path), rank=2, generation="g")
+        PeerGroupSettings(size=2, store_dir=str(tmp_path), rank=2, generation="g")
