@@ -18,6 +18,9 @@ Usage: python benchmarks/bench_peer.py rendezvous
        python benchmarks/bench_peer.py gpu [--model deepseek-v4.1-flash | --small] [--results DIR]
 """
 
+# Over 300 lines: the two halves of one issue's benchmark (the rendezvous on CPU processes, peer
+# lookups on two GPUs) share the members, the layouts and the results writer; each is short.
+
 from __future__ import annotations
 
 import argparse

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from engram_ray.model.layout import EngramLayout
 from engram_ray.planning.memory import slice_range
 
-MAX_GENERATION_CHARS = 64  # engram_ray.tables.settings.PeerGroupSettings accepts [A-Za-z0-9._-]{1,64}
+MAX_GENERATION_CHARS = 64  # tables.settings.PeerGroupSettings accepts [A-Za-z0-9._-]{1,64}
 _INVALID = re.compile(r"[^A-Za-z0-9._-]")
 
 
