@@ -5,8 +5,10 @@ test, -1 ids and the first and last rows are always looked up, and outputs are p
 each launch so an unwritten byte cannot pass. The tables themselves are fixtures (conftest.py).
 """
 
+import itertools
 import zlib
 
+import pytest
 import torch
 
 from engram_ray.model.reference import lookup_reference
@@ -26,6 +28,24 @@ OUTS = ["packed", "bf16"]
 def tile_id(tile):
     block_rows, prefetch = tile
     return f"r{block_rows}{'-prefetch' if prefetch else ''}" if block_rows else "policy"
+
+
+def shape_id(shape):
+    return f"{shape[0] * shape[1]}rows"
+
+
+def seeded(tag, **axes):
+    """`pytest.mark.parametrize` arguments over every combination of `axes` (name -> (values,
+    id function or None)) plus a last argument `seed`: `seed_of(tag, *combination)`, fixed by
+    the parameters and shown in the test id (`...-seed<N>`), so a failing id names its seed."""
+    names = list(axes)
+    params = []
+    for combination in itertools.product(*(values for values, _ in axes.values())):
+        seed = zlib.crc32(repr((tag, *combination)).encode())
+        label = "-".join((ident or str)(value)
+                         for (_, ident), value in zip(axes.values(), combination))
+        params.append(pytest.param(*combination, seed, id=f"{label}-seed{seed}"))
+    return ",".join(names + ["seed"]), params
 
 
 def lookup(**kwargs):

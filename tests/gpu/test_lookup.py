@@ -12,7 +12,7 @@ import torch
 from engram_ray.model.reference import lookup_reference, lookup_reference_split, random_table
 from lookup_support import (HEAD_DIM, OUTS, ROW_BYTES, ROWS_PER_RANK, SHAPES, TILES,
                             assert_bitwise, check, lookup, poisoned, random_ids, seed_of,
-                            tile_id)
+                            seeded, shape_id, tile_id)
 
 pytestmark = pytest.mark.gpu
 
@@ -40,6 +40,24 @@ def test_host_pinned(host_table, sort_rows, out, tile, shape):
 def test_host_thp(thp_table, out, tile, shape):
     check(thp_table, shape, out, seed=seed_of("thp", out, tile, shape),
            table=thp_table, block_rows=tile[0], prefetch=tile[1])
+
+
+@pytest.fixture(scope="module")
+def padded_host_table(hbm_table):
+    """The table as pinned host rows 288 bytes apart; pad bytes 0x5A (never in an output)."""
+    from engram_ray.tables.backends.host_memory import allocate_padded_host_table
+    return allocate_padded_host_table(hbm_table, pad_byte=0x5A)
+
+
+@pytest.mark.parametrize(*seeded("padded", sort_rows=([False, True], "sorted{}".format),
+                                 out=(OUTS, None), tile=(TILES, tile_id),
+                                 shape=(SHAPES, shape_id)))
+def test_host_padded(hbm_table, padded_host_table, sort_rows, out, tile, shape, seed):
+    """Rows padded to a 32-byte stride (the kernel's ROW_STRIDE): values sector-aligned, read
+    as 16-byte vectors whole or cut at a line; the output is the packed rows' to the bit."""
+    assert padded_host_table.shape[1] == 288 and padded_host_table.is_pinned()
+    check(hbm_table, shape, out, seed=seed, table=padded_host_table, block_rows=tile[0],
+          prefetch=tile[1], sort_rows=sort_rows)
 
 
 def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
