@@ -40,7 +40,7 @@ from engram_ray.tables.lookup import TableLookup  # noqa: E402
 from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
 from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
-                           fill_random, num_id_sets, stats, time_launches)
+                           fill_random, num_id_sets, spread, stats, time_launches)
 
 TOKENS = [64, 683, 2731, 10923, 43691, 65536]  # 1.5K, 16K, 65K, 262K, 1M, 1.57M rows
 NUM_LAYERS = 2
@@ -191,14 +191,6 @@ def interleaved_wall(calls: dict, budget_s: float) -> dict:
             torch.cuda.synchronize()
             samples[name].append(1e3 * (time.perf_counter() - begin))
     return {name: spread(times) for name, times in samples.items()}
-
-
-def spread(times: list[float]) -> dict:
-    """stats() with the 10th and 90th percentiles."""
-    ordered = sorted(times)
-    found = stats(times)
-    found.update(p10_ms=ordered[len(ordered) // 10], p90_ms=ordered[(9 * len(ordered)) // 10])
-    return found
 
 
 def capture(fn, id_sets, out) -> list:

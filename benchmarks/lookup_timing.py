@@ -80,6 +80,14 @@ def stats(times: list[float]) -> dict:
     return {"median_ms": ordered[len(ordered) // 2], "p99_ms": p99, "reps": len(times)}
 
 
+def spread(times: list[float]) -> dict:
+    """stats() with the 10th and 90th percentiles."""
+    ordered = sorted(times)
+    found = stats(times)
+    found.update(p10_ms=ordered[len(ordered) // 10], p90_ms=ordered[(9 * len(ordered)) // 10])
+    return found
+
+
 def copy_ceilings() -> dict:
     """GB/s of a device-to-device copy (read + write), a pinned host-to-device copy and a
     peer-to-device copy (GPU 1 to GPU 0, bytes read), each 1-2 GiB."""

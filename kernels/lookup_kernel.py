@@ -31,23 +31,25 @@ def _engram_lookup_kernel(
     ROWS_32: tl.constexpr = False,   # PEER: rows_per_rank x P < 2^31 (32-bit owner division)
     SPLIT_WORDS: tl.constexpr = 0,   # 264-byte rows: 4 / 16 = loads cut at a sector / line
     IDS_COLS: tl.constexpr = 0,      # > 0: ids are [T, IDS_COLS] with a token stride (a view)
-    ROW_STRIDE: tl.constexpr = 0,    # TABLE rows' distance (0: ROW_BYTES; padded host rows)
 ):
     """Persistent loop over tiles of BLOCK_R looked-up rows. PREFETCH issues the next tile's
     loads before this tile's stores, keeping row reads in flight while results drain."""
+    # Long because it holds four persistent loops (whole or cut loads, with or without the
+    # next tile's loads in flight), each carrying its own loop state; the loads and stores
+    # themselves are in kernels/lookup_tiles.py.
     num_tiles = tl.cdiv(num_rows, BLOCK_R)
     tile = tl.program_id(0)
     if SPLIT_WORDS:
         if PREFETCH:
             dst, in_range, head_words, head, body = load_tile_split(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
-                IS_SORTED, ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS, ROW_STRIDE)
+                IS_SORTED, ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS)
             for _ in tl.range(tile, num_tiles, num_programs):
                 tile += num_programs  # past the end: every load of the tile is masked off
                 next_dst, next_in_range, next_head_words, next_head, next_body = \
                     load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
                                     BLOCK_R, IS_PEER, IS_SORTED, ROWS_32, SPLIT_WORDS,
-                                    ids_stride, IDS_COLS, ROW_STRIDE)
+                                    ids_stride, IDS_COLS)
                 store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
                                  SPLIT_WORDS)
                 dst, in_range, head_words = next_dst, next_in_range, next_head_words
@@ -56,26 +58,23 @@ def _engram_lookup_kernel(
             for tile in tl.range(tile, num_tiles, num_programs):
                 dst, in_range, head_words, head, body = load_tile_split(
                     src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R, IS_PEER,
-                    IS_SORTED, ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS, ROW_STRIDE)
+                    IS_SORTED, ROWS_32, SPLIT_WORDS, ids_stride, IDS_COLS)
                 store_tile_split(out, dst, in_range, head_words, head, body, IS_BF16,
                                  SPLIT_WORDS)
     elif PREFETCH:
         dst, in_range, values, word = load_tile(
             src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS,
-                ROW_STRIDE)
+            BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS)
         for _ in tl.range(tile, num_tiles, num_programs):
             tile += num_programs  # past the end: every load of the tile is masked off
             next_dst, next_in_range, next_values, next_word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS,
-                ROW_STRIDE)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS)
             store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)
             dst, in_range, values, word = next_dst, next_in_range, next_values, next_word
     else:
         for tile in tl.range(tile, num_tiles, num_programs):
             dst, in_range, values, word = load_tile(
                 src, row_ids, dst_rows, tile, num_rows, rows_per_rank, HEAD_DIM, SCALE_WORD,
-                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS,
-                ROW_STRIDE)
+                BLOCK_R, IS_PEER, IS_SORTED, ROW_ALIGN, ROWS_32, ids_stride, IDS_COLS)
             store_tile(out, dst, in_range, values, word, HEAD_DIM, SCALE_WORD, IS_BF16, ROW_ALIGN)

@@ -19,6 +19,10 @@ NOTES:
   through their token stride (IDS_COLS), so no id is converted or copied before the launch.
 """
 
+# Over 300 lines: one table's launch path (its checks, the decisions made once per entry key,
+# direct and JIT launches, the sorted and fused-graph paths, the host-pointer fallback) in one
+# class whose state every step shares; the policy and the ordering live in their own files.
+
 from __future__ import annotations
 
 import contextlib
@@ -68,13 +72,9 @@ def check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted=False
         if table.dtype != torch.uint8 or table.dim() != 2 or not table.is_contiguous():
             raise ValueError(f"table is {table.dtype} {tuple(table.shape)}; expected a "
                              "contiguous packed uint8 [rows, row_bytes] tensor")
-        row_bytes = row_bytes_for(head_dim)
-        padded = (table.shape[1] > row_bytes and table.shape[1] % 16 == 0
-                  and not table.is_cuda and table.data_ptr() % 16 == 0)
-        if table.shape[1] != row_bytes and not padded:
-            raise ValueError(f"table rows are {table.shape[1]} bytes; expected {row_bytes} "
-                             f"for head_dim {head_dim} (or, pinned host tables, a multiple "
-                             "of 16 above it, 16-byte aligned: rows padded)")
+        if table.shape[1] != row_bytes_for(head_dim):
+            raise ValueError(f"table rows are {table.shape[1]} bytes; expected "
+                             f"{row_bytes_for(head_dim)} for head_dim {head_dim}")
         if not (table.is_cuda or table.is_pinned() or is_interpreted):
             raise ValueError("table is in pageable host memory; expected a CUDA tensor or "
                              "pinned host memory (engram_ray.tables.backends.host_memory.allocate_host_table)")
@@ -156,9 +156,6 @@ class LookupLauncher:
         is_interpreted = device is not None and device.type == "cpu"
         check_table(head_dim, table, peer_bases, rows_per_rank, is_interpreted)
         self.placement = table_placement(table, peer_bases)
-        # Padded host rows (a stride above row_bytes): the kernel's ROW_STRIDE, 0 = packed.
-        self.row_stride = (table.shape[1] if table is not None and table.shape[1]
-                           != self.row_bytes else 0)
         if table is not None and not table.is_cuda and not _HOST_POINTERS_OK:
             peer_bases, rows_per_rank = self._host_as_peer(table, device)
             table = None
@@ -207,6 +204,9 @@ class LookupLauncher:
         return self.table if self.table is not None else self.peer_bases
 
     def __call__(self, row_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # Long because it is the serving hot path (< 20 us of host time a call): checks, the
+        # prepared launch, the sorted and fused branches and the launch itself inline, with
+        # no helper calls that would each cost Python overhead.
         fused = self._fused
         if fused:  # a sorted lookup met before at these addresses: one replay
             graph = fused.get(call_key(row_ids, out))
@@ -315,7 +315,7 @@ class LookupLauncher:
             ROWS_32=is_peer and config.rows_32
             and self.rows_per_rank * self.peer_bases.numel() < 2**31,
             SPLIT_WORDS=split_words(config, self.head_dim, out_kind),
-            IDS_COLS=0 if sort else ids_cols, ROW_STRIDE=self.row_stride)
+            IDS_COLS=0 if sort else ids_cols)
         # Every constexpr in the kernel's parameter order, defaults included (a direct launch
         # passes all parameters, as Triton's JIT does).
         ordered = tuple(constexprs[name] if name in constexprs else param.default

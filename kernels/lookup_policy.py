@@ -76,8 +76,9 @@ TILE_CONFIGS = {
 # the tail; below, the few-rows-in-flight 16-row launch wins (translation-bound). HBM and
 # peer: 16-row tiles at every size. Against vLLM 0.33's sorted launch from pinned host
 # memory: from 1M rows no swept launch reaches it (0.6-1.3% slower); neither huge pages,
-# rows that never cross a 4 KiB page nor vLLM's split values + scales layout were a launch
-# worth keeping (docs/lookup_experiments.md), so host tables are packed rows like the others.
+# rows that never cross a 4 KiB page, vLLM's split values + scales layout nor rows padded to
+# 288 bytes (sector-aligned values: 2-9% slower from 262K rows) were a launch worth keeping
+# (docs/lookup_experiments.md), so host tables are packed rows like the others.
 TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, NEVER),
                "host_thp": (262152, NEVER)}
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads

@@ -23,16 +23,11 @@ def id_offsets(pos, ids_stride, IDS_COLS: tl.constexpr):
 def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
               HEAD_DIM: tl.constexpr, SCALE_WORD: tl.constexpr, BLOCK_R: tl.constexpr,
               IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROW_ALIGN: tl.constexpr,
-              ROWS_32: tl.constexpr, ids_stride, IDS_COLS: tl.constexpr,
-              ROW_STRIDE: tl.constexpr = 0):
-    """Issue the loads of one tile of packed rows `[rows, ROW_BYTES]` (a table, or peer slices),
-    ROW_STRIDE bytes apart (0: ROW_BYTES; a padded host table: a multiple of 16 bytes, so
-    every row starts 16-byte aligned): (output rows, in range, values [BLOCK_R, S, 32], scale
-    word)."""
+              ROWS_32: tl.constexpr, ids_stride, IDS_COLS: tl.constexpr):
+    """Issue the loads of one tile of packed rows `[rows, ROW_BYTES]` (a table, or peer slices):
+    (output rows, in range, values [BLOCK_R, S, 32], scale word)."""
     NUM_SCALES: tl.constexpr = HEAD_DIM // 32
     ROW_BYTES: tl.constexpr = HEAD_DIM + NUM_SCALES
-    STRIDE: tl.constexpr = ROW_STRIDE if ROW_STRIDE else ROW_BYTES
-    TABLE_ALIGN: tl.constexpr = 16 if ROW_STRIDE else ROW_ALIGN
     group = tl.arange(0, NUM_SCALES)
     col = (group[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]   # [1, NUM_SCALES, 32]
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -47,10 +42,10 @@ def load_tile(src, row_ids, dst_rows, tile, num_rows, rows_per_rank,
         else:
             owner = row // rows_per_rank
         base = tl.load(src + owner, mask=has_row, other=0)
-        row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * STRIDE
+        row_ptr = base.to(tl.pointer_type(tl.uint8)) + (row - owner * rows_per_rank) * ROW_BYTES
     else:
-        row_ptr = src + row * STRIDE
-    row_ptr = tl.multiple_of(row_ptr, TABLE_ALIGN)
+        row_ptr = src + row * ROW_BYTES
+    row_ptr = tl.multiple_of(row_ptr, ROW_ALIGN)
     dst = tl.load(dst_rows + pos, mask=in_range, other=0) if IS_SORTED else pos
     values = tl.load(row_ptr[:, None, None] + col, mask=has_row[:, None, None], other=0)
     word = tl.load((row_ptr + HEAD_DIM).to(tl.pointer_type(SCALE_WORD)), mask=has_row, other=0)
@@ -68,10 +63,8 @@ def _power_of_two(exponent):
 @triton.jit
 def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK_R: tl.constexpr,
                     IS_PEER: tl.constexpr, IS_SORTED: tl.constexpr, ROWS_32: tl.constexpr,
-                    SPLIT_WORDS: tl.constexpr, ids_stride, IDS_COLS: tl.constexpr,
-                    ROW_STRIDE: tl.constexpr = 0):
-    """Tables of 264-byte rows (33 words, ROW_STRIDE bytes apart; 0: 264): each row as two
-    loads cut at its first
+                    SPLIT_WORDS: tl.constexpr, ids_stride, IDS_COLS: tl.constexpr):
+    """Tables of 264-byte rows (33 words): each row as two loads cut at its first
     (8 x SPLIT_WORDS)-byte boundary: `head` = its 1..SPLIT_WORDS words before the cut, `body` =
     the other 33 - head (the scale word among them). Cut at a 32-byte sector (SPLIT_WORDS 4),
     no sector is asked for twice; cut at a 128-byte line (16), each of a row's three lines is
@@ -80,7 +73,6 @@ def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK
     # Row addressing as in load_tile, but as an integer address (the cut depends on it); not
     # shared with load_tile: that path's exact instruction sequence is the one run on Triton
     # 3.6, where restructuring it once hit a compiler bug.
-    STRIDE: tl.constexpr = ROW_STRIDE if ROW_STRIDE else 264
     pos = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_range = pos < num_rows
     row = tl.load(row_ids + id_offsets(pos, ids_stride, IDS_COLS), mask=in_range,
@@ -92,10 +84,9 @@ def load_tile_split(src, row_ids, dst_rows, tile, num_rows, rows_per_rank, BLOCK
             owner = (row.to(tl.int32) // rows_per_rank).to(tl.int64)
         else:
             owner = row // rows_per_rank
-        address = (tl.load(src + owner, mask=has_row, other=0)
-                   + (row - owner * rows_per_rank) * STRIDE)
+        address = tl.load(src + owner, mask=has_row, other=0) + (row - owner * rows_per_rank) * 264
     else:
-        address = (src + row * STRIDE).to(tl.int64)
+        address = (src + row * 264).to(tl.int64)
     head_words = SPLIT_WORDS - (address // 8) % SPLIT_WORDS
     words = tl.multiple_of(address.to(tl.pointer_type(tl.uint64)), 8)
     head_lane = tl.arange(0, SPLIT_WORDS)[None, :]

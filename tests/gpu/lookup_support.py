@@ -1,7 +1,7 @@
 """Shared by the lookup kernel's GPU tests (test_lookup.py, test_lookup_launches.py): the
 table's size and shape, random ids with the edge rows, poisoned outputs, bitwise checks.
 Tables are larger than 2^31 bytes (a third of the rows sit past 2^31 bytes), ids are fresh per
-test, -1 ids and the first and last rows are always looked up, and outputs are poisoned before
+test (their seed fixed by its parameters and shown in its id: `seeded`), -1 ids and the first and last rows are always looked up, and outputs are poisoned before
 each launch so an unwritten byte cannot pass. The tables themselves are fixtures (conftest.py).
 """
 
@@ -30,6 +30,10 @@ def tile_id(tile):
     return f"r{block_rows}{'-prefetch' if prefetch else ''}" if block_rows else "policy"
 
 
+def sort_id(sort_rows):
+    return "sorted" if sort_rows else "unsorted"
+
+
 def shape_id(shape):
     return f"{shape[0] * shape[1]}rows"
 
@@ -41,7 +45,7 @@ def seeded(tag, **axes):
     names = list(axes)
     params = []
     for combination in itertools.product(*(values for values, _ in axes.values())):
-        seed = zlib.crc32(repr((tag, *combination)).encode())
+        seed = seed_of(tag, *combination)
         label = "-".join((ident or str)(value)
                          for (_, ident), value in zip(axes.values(), combination))
         params.append(pytest.param(*combination, seed, id=f"{label}-seed{seed}"))
@@ -54,12 +58,9 @@ def lookup(**kwargs):
 
 
 def seed_of(*parts):
-    """A seed fixed by the test's parameters (the test id), the same in every run: crc32 of their
-    repr, not `hash()`, which changes with PYTHONHASHSEED. Printed, so a failure's captured
-    output names it."""
-    seed = zlib.crc32(repr(parts).encode())
-    print(f"seed {seed} for {parts!r}")
-    return seed
+    """A seed fixed by the test's parameters, the same in every run: crc32 of their repr, not
+    `hash()`, which changes with PYTHONHASHSEED. Tests get it through `seeded`, in their id."""
+    return zlib.crc32(repr(parts).encode())
 
 
 def random_ids(shape, seed, device="cuda:0"):

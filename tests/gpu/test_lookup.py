@@ -11,53 +11,31 @@ import torch
 
 from engram_ray.model.reference import lookup_reference, lookup_reference_split, random_table
 from lookup_support import (HEAD_DIM, OUTS, ROW_BYTES, ROWS_PER_RANK, SHAPES, TILES,
-                            assert_bitwise, check, lookup, poisoned, random_ids, seed_of,
+                            sort_id, assert_bitwise, check, lookup, poisoned, random_ids,
                             seeded, shape_id, tile_id)
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-@pytest.mark.parametrize("out", OUTS)
-def test_hbm(hbm_table, out, tile, shape):
-    check(hbm_table, shape, out, seed=seed_of(out, tile, shape),
+@pytest.mark.parametrize(*seeded("hbm", out=(OUTS, None), tile=(TILES, tile_id),
+                                 shape=(SHAPES, shape_id)))
+def test_hbm(hbm_table, out, tile, shape, seed):
+    check(hbm_table, shape, out, seed=seed,
            table=hbm_table, block_rows=tile[0], prefetch=tile[1])
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("sort_rows", [False, True], ids=["unsorted", "sorted"])
-def test_host_pinned(host_table, sort_rows, out, tile, shape):
-    check(host_table, shape, out, seed=seed_of(sort_rows, out, tile, shape),
+@pytest.mark.parametrize(*seeded("host", sort_rows=([False, True], sort_id), out=(OUTS, None),
+                                 tile=(TILES, tile_id), shape=(SHAPES, shape_id)))
+def test_host_pinned(host_table, sort_rows, out, tile, shape, seed):
+    check(host_table, shape, out, seed=seed,
            table=host_table, block_rows=tile[0], prefetch=tile[1], sort_rows=sort_rows)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-@pytest.mark.parametrize("out", OUTS)
-def test_host_thp(thp_table, out, tile, shape):
-    check(thp_table, shape, out, seed=seed_of("thp", out, tile, shape),
-           table=thp_table, block_rows=tile[0], prefetch=tile[1])
-
-
-@pytest.fixture(scope="module")
-def padded_host_table(hbm_table):
-    """The table as pinned host rows 288 bytes apart; pad bytes 0x5A (never in an output)."""
-    from engram_ray.tables.backends.host_memory import allocate_padded_host_table
-    return allocate_padded_host_table(hbm_table, pad_byte=0x5A)
-
-
-@pytest.mark.parametrize(*seeded("padded", sort_rows=([False, True], "sorted{}".format),
-                                 out=(OUTS, None), tile=(TILES, tile_id),
+@pytest.mark.parametrize(*seeded("thp", out=(OUTS, None), tile=(TILES, tile_id),
                                  shape=(SHAPES, shape_id)))
-def test_host_padded(hbm_table, padded_host_table, sort_rows, out, tile, shape, seed):
-    """Rows padded to a 32-byte stride (the kernel's ROW_STRIDE): values sector-aligned, read
-    as 16-byte vectors whole or cut at a line; the output is the packed rows' to the bit."""
-    assert padded_host_table.shape[1] == 288 and padded_host_table.is_pinned()
-    check(hbm_table, shape, out, seed=seed, table=padded_host_table, block_rows=tile[0],
-          prefetch=tile[1], sort_rows=sort_rows)
+def test_host_thp(thp_table, out, tile, shape, seed):
+    check(thp_table, shape, out, seed=seed,
+           table=thp_table, block_rows=tile[0], prefetch=tile[1])
 
 
 def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
@@ -71,24 +49,20 @@ def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
     assert fraction > 0.5
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-@pytest.mark.parametrize("out", OUTS)
-def test_peer_slices_one_gpu(hbm_table, out, tile, shape):
+@pytest.mark.parametrize(*seeded("peer1", out=(OUTS, None), tile=(TILES, tile_id),
+                                 shape=(SHAPES, shape_id)))
+def test_peer_slices_one_gpu(hbm_table, out, tile, shape, seed):
     slices = list(hbm_table.split(ROWS_PER_RANK))
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
-    check(hbm_table, shape, out, seed=seed_of("peer1", out, tile, shape),
+    check(hbm_table, shape, out, seed=seed,
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0] * s[1]}rows")
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
-def test_peer_slices_two_gpus(hbm_table, two_gpu_slices, device, out, tile, shape):
+@pytest.mark.parametrize(*seeded("peer2", device=(["cuda:0", "cuda:1"], None), out=(OUTS, None),
+                                 tile=(TILES, tile_id), shape=(SHAPES, shape_id)))
+def test_peer_slices_two_gpus(hbm_table, two_gpu_slices, device, out, tile, shape, seed):
     bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device=device)
-    seed = seed_of("peer2", device, out, tile, shape)
     ids = random_ids(shape, seed, device)
     into = poisoned(shape, out, device)
     got = lookup(row_ids=ids, out=out, into=into, peer_bases=bases,
@@ -130,16 +104,15 @@ def test_policy_and_argument_errors(hbm_table):
         lookup(row_ids=ids, table=hbm_table, block_rows=24)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-@pytest.mark.parametrize("out", OUTS)
-def test_narrow_rows_hbm_and_peer(head_dim, tile, out):
+@pytest.mark.parametrize(*seeded("narrow", head_dim=([32, 64, 128], None), out=(OUTS, None),
+                                 tile=(TILES, tile_id)))
+def test_narrow_rows_hbm_and_peer(head_dim, out, tile, seed):
     """Rows of 33, 66 and 132 bytes (not 8-byte aligned): the kernel is told their real
     alignment, so loads stay aligned; bit-exact on a whole table and on two slices."""
     from engram_ray.kernels.lookup import engram_lookup
     generator = torch.Generator(device="cuda:0").manual_seed(head_dim)
     table = random_table(100_003, head_dim, generator=generator, device="cuda:0")
-    ids = random_ids((129, 24), seed_of("narrow", head_dim, out, tile), "cuda:0")
+    ids = random_ids((129, 24), seed, "cuda:0")
     ids = ids.remainder(table.shape[0]).where(ids >= 0, ids)
     expected = lookup_reference(table, ids, head_dim, out=out)
     got = engram_lookup(ids, head_dim=head_dim, table=table, out=out, block_rows=tile[0],

@@ -7,14 +7,14 @@ import torch
 
 from engram_ray.model.reference import lookup_reference
 from lookup_support import (HEAD_DIM, NUM_ROWS, OUTS, ROW_BYTES, ROWS_PER_RANK, TILES,
-                            assert_bitwise, check, lookup, poisoned, random_ids, seed_of,
+                            assert_bitwise, check, lookup, poisoned, random_ids, seeded,
                             tile_id)
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("placement", ["hbm", "peer"])
-def test_checked_ids_outside_the_table_are_refused(hbm_table, placement):
+@pytest.mark.parametrize(*seeded("checked", placement=(["hbm", "peer"], None)))
+def test_checked_ids_outside_the_table_are_refused(hbm_table, placement, seed):
     """check_ids=True: an id past the table (peer: past rows_per_rank x P) or below -1 is named
     with its [token, column] before any launch; in-range ids (-1 included) look up as usual."""
     source = {"table": hbm_table}
@@ -25,7 +25,7 @@ def test_checked_ids_outside_the_table_are_refused(hbm_table, placement):
                                              dtype=torch.int64, device="cuda:0"),
                   "rows_per_rank": ROWS_PER_RANK}
         limit = ROWS_PER_RANK * len(slices)
-    ids = random_ids((43, 3), seed=5).clamp(max=NUM_ROWS - 1)
+    ids = random_ids((43, 3), seed=seed).clamp(max=NUM_ROWS - 1)
     got = lookup(row_ids=ids, out="packed", check_ids=True, **source)
     assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out="packed"))
     for bad in (limit, -2):
@@ -36,9 +36,8 @@ def test_checked_ids_outside_the_table_are_refused(hbm_table, placement):
             lookup(row_ids=wrong, out="packed", check_ids=True, **source)
 
 
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatch):
+@pytest.mark.parametrize(*seeded("rows64", out=(OUTS, None), tile=(TILES, tile_id)))
+def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, seed, monkeypatch):
     """The committed peer launches divide in 32 bits (TileConfig.rows_32); the 64-bit division
     (ids of 2^31 and more) stays bit-exact too."""
     from dataclasses import replace
@@ -50,19 +49,19 @@ def test_peer_slices_with_64_bit_owner_division(hbm_table, out, tile, monkeypatc
         for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     slices = list(hbm_table.split(ROWS_PER_RANK))
     bases = torch.tensor([piece.data_ptr() for piece in slices], device="cuda:0")
-    check(hbm_table, (43691, 24), out, seed=seed_of("rows64", out, tile),
+    check(hbm_table, (43691, 24), out, seed=seed,
            peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0], prefetch=tile[1])
 
 
-@pytest.mark.parametrize("split_bytes", [0, 32, 128])
-@pytest.mark.parametrize("shift", [0, 8, 16, 24])
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
-def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, monkeypatch):
+@pytest.mark.parametrize(*seeded("split", split_bytes=([0, 32, 128], "split{}".format),
+                                 shift=([0, 8, 16, 24], "shift{}".format), out=(OUTS, None),
+                                 tile=(TILES, tile_id)))
+def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, seed,
+                                      monkeypatch):
     """TileConfig.split_bytes: each 264-byte row loaded in two pieces cut at its first 32-byte
     sector or 128-byte line boundary, or (0) as a values load and a scale-word load. Slices
     start 0, 8, 16 and 24 bytes past a sector boundary, and rows take every cut point (row r
-    starts 8r bytes further, mod 128)."""
+    starts 8r bytes further, mod 128). Shape k of the three reads ids of seed + k."""
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
@@ -76,18 +75,16 @@ def test_peer_slices_with_split_loads(hbm_table, split_bytes, shift, out, tile, 
     bases = torch.tensor([piece.data_ptr() for piece in moved.split(ROWS_PER_RANK)],
                          device="cuda:0")
     assert {base % 32 for base in bases.tolist()} == {shift}
-    for shape in ((1, 17), (43, 3), (43691, 24)):
-        check(hbm_table, shape, out,
-               seed=seed_of("split", split_bytes, shift, out, tile, shape),
-               peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0],
+    for k, shape in enumerate(((1, 17), (43, 3), (43691, 24))):
+        check(hbm_table, shape, out, seed=seed + k, peer_bases=bases, rows_per_rank=ROWS_PER_RANK, block_rows=tile[0],
                prefetch=tile[1])
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("split_bytes", [0, 32, 128])
-@pytest.mark.parametrize("out", OUTS)
+@pytest.mark.parametrize(*seeded("split2", split_bytes=([0, 32, 128], "split{}".format),
+                                 out=(OUTS, None)))
 def test_peer_slices_two_gpus_with_split_loads(hbm_table, two_gpu_slices, split_bytes, out,
-                                               monkeypatch):
+                                               seed, monkeypatch):
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
@@ -95,20 +92,19 @@ def test_peer_slices_two_gpus_with_split_loads(hbm_table, two_gpu_slices, split_
         rows: replace(config, split_bytes=split_bytes)
         for rows, config in kernel.TILE_CONFIGS["peer"].items()})
     bases = torch.tensor([piece.data_ptr() for piece in two_gpu_slices], device="cuda:0")
-    ids = random_ids((43691, 24), seed_of("split2", split_bytes, out))
+    ids = random_ids((43691, 24), seed)
     got = lookup(row_ids=ids, out=out, into=poisoned((43691, 24), out), peer_bases=bases,
                   rows_per_rank=ROWS_PER_RANK, block_rows=16)
     assert_bitwise(got, lookup_reference(hbm_table, ids, HEAD_DIM, out=out))
 
 
-@pytest.mark.parametrize("split_bytes", [32, 128])
-@pytest.mark.parametrize("placement", ["hbm", "host", "host_thp"])
-@pytest.mark.parametrize("out", OUTS)
-@pytest.mark.parametrize("tile", TILES, ids=tile_id)
+@pytest.mark.parametrize(*seeded("tsplit", split_bytes=([32, 128], "split{}".format),
+                                 placement=(["hbm", "host", "host_thp"], None),
+                                 out=(OUTS, None), tile=(TILES, tile_id)))
 def test_tables_with_split_loads(hbm_table, host_table, thp_table, split_bytes, placement, out,
-                                 tile, monkeypatch):
+                                 tile, seed, monkeypatch):
     """TileConfig.split_bytes from HBM and host tables, the whole table and a view from row 1
-    (every row moved by 264 bytes)."""
+    (every row moved by 264 bytes). Read k of the four reads ids of seed + k."""
     from dataclasses import replace
 
     from engram_ray.kernels import lookup as kernel
@@ -116,11 +112,10 @@ def test_tables_with_split_loads(hbm_table, host_table, thp_table, split_bytes, 
         rows: replace(config, split_bytes=split_bytes)
         for rows, config in kernel.TILE_CONFIGS[placement].items()})
     table = {"hbm": hbm_table, "host": host_table, "host_thp": thp_table}[placement]
-    for first in (0, 1):
-        for shape in ((43, 3), (43691, 24)):
-            seed = seed_of("tsplit", split_bytes, placement, out, tile, shape, first)
-            ids = random_ids(shape, seed).clamp(max=NUM_ROWS - 1 - first)
-            got = lookup(row_ids=ids, out=out, into=poisoned(shape, out), table=table[first:],
-                          block_rows=tile[0], prefetch=tile[1])
-            torch.cuda.synchronize()
-            assert_bitwise(got, lookup_reference(hbm_table[first:], ids, HEAD_DIM, out=out))
+    for k, (first, shape) in enumerate([(0, (43, 3)), (0, (43691, 24)), (1, (43, 3)),
+                                        (1, (43691, 24))]):
+        ids = random_ids(shape, seed + k).clamp(max=NUM_ROWS - 1 - first)
+        got = lookup(row_ids=ids, out=out, into=poisoned(shape, out), table=table[first:],
+                     block_rows=tile[0], prefetch=tile[1])
+        torch.cuda.synchronize()
+        assert_bitwise(got, lookup_reference(hbm_table[first:], ids, HEAD_DIM, out=out))

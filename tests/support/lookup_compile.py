@@ -21,14 +21,12 @@ def compile_variant(block_rows: int, is_bf16: bool, is_peer: bool, is_sorted: bo
                  "SCALE_WORD": "constexpr",
                  "BLOCK_R": "constexpr", "IS_PEER": "constexpr", "IS_SORTED": "constexpr",
                  "IS_BF16": "constexpr", "PREFETCH": "constexpr", "ROW_ALIGN": "constexpr",
-                 "ROWS_32": "constexpr", "SPLIT_WORDS": "constexpr", "IDS_COLS": "constexpr",
-                 "ROW_STRIDE": "constexpr"}
+                 "ROWS_32": "constexpr", "SPLIT_WORDS": "constexpr", "IDS_COLS": "constexpr"}
     constexprs = {"HEAD_DIM": head_dim, "SCALE_WORD": SCALE_WORDS[head_dim // 32],
                   "BLOCK_R": block_rows, "IS_PEER": is_peer, "IS_SORTED": is_sorted,
                   "IS_BF16": is_bf16, "PREFETCH": prefetch,
                   "ROW_ALIGN": math.gcd(head_dim + head_dim // 32, 8),
-                  "ROWS_32": bool(split_bytes), "SPLIT_WORDS": split_bytes // 8, "IDS_COLS": 0,
-                  "ROW_STRIDE": 0}
+                  "ROWS_32": bool(split_bytes), "SPLIT_WORDS": split_bytes // 8, "IDS_COLS": 0}
     # Pointers are 16-byte aligned, as Triton specializes them at launch.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
     source = ASTSource(_engram_lookup_kernel, signature, constexprs, attrs)

@@ -38,29 +38,6 @@ def allocate_host_table(num_bytes: int, *, use_thp: bool = False) -> torch.Tenso
     return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-def padded_row_stride(row_bytes: int, align: int = 32) -> int:
-    """Bytes between padded host rows: `row_bytes` rounded up to `align` (264 -> 288)."""
-    return -(-row_bytes // align) * align
-
-
-def allocate_padded_host_table(rows: torch.Tensor, *, align: int = 32,
-                               pad_byte: int = 0, use_thp: bool = False) -> torch.Tensor:
-    """Pinned host uint8 `[R, stride]`: the packed rows `rows` (`[R, row_bytes]`, any device)
-    each followed by `pad_byte`s up to `padded_row_stride(row_bytes, align)`, copied in chunks
-    through `rows`' device. The lookup kernel reads it with ROW_STRIDE = stride."""
-    num_rows, row_bytes = rows.shape
-    stride = padded_row_stride(row_bytes, align)
-    table = allocate_host_table(num_rows * stride, use_thp=use_thp).view(num_rows, stride)
-    chunk_rows = max(1, (256 << 20) // stride)
-    for start in range(0, num_rows, chunk_rows):
-        part = rows[start:start + chunk_rows]
-        padded = torch.full((part.shape[0], stride), pad_byte, dtype=torch.uint8,
-                            device=part.device)
-        padded[:, :row_bytes] = part
-        table[start:start + part.shape[0]].copy_(padded)
-    return table
-
-
 def is_huge_page_backed(tensor: torch.Tensor) -> bool:
     """Whether `tensor` lies in a registered huge-page allocation of this module."""
     if tensor.is_cuda:
