@@ -45,8 +45,8 @@ def coordinator_name(deployment_name: str) -> str:
 @ray.remote(num_cpus=0, max_concurrency=16)
 class Coordinator:
     def __init__(self, app_config_dict: dict, domains: dict[str, str]):
-        from engram_ray.planning.generations import GenerationBook
         from engram_ray.model.layout import load_layout
+        from engram_ray.planning.generations import GenerationBook
         from engram_ray.serve.config import ServeAppConfig
 
         self.made_with = (app_config_dict, domains)

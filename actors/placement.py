@@ -18,8 +18,9 @@ import time
 import ray
 
 from engram_ray.config import DeploymentConfig
-from engram_ray.planning.grouping import (Domain, NodeSlots, PeerGroupPlan, PlacementError, domain_summary,
-                                 domains_of, place_groups)
+from engram_ray.planning.grouping import (Domain, NodeSlots, PeerGroupPlan, PlacementError,
+                                          domain_summary, domains_of, place_groups)
+
 
 def slot_resource(config: DeploymentConfig) -> tuple[str, float]:
     """The resource an engine slot is counted in, and how much of it one engine takes."""

@@ -29,13 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import add_results_argument, environment, write_results  # noqa: E402
-from engram_ray.tables.backends.host_memory import huge_page_bytes  # noqa: E402
 from engram_ray.kernels import lookup as kernel  # noqa: E402
 from engram_ray.kernels import lookup_tuning  # noqa: E402
 from engram_ray.model.reference import dequantize_rows  # noqa: E402
-from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, Table,  # noqa: E402
-                           copy_ceilings, stats, time_launches)
+from engram_ray.tables.backends.host_memory import huge_page_bytes  # noqa: E402
+
+from common import add_results_argument, environment, write_results  # noqa: E402
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, Table, copy_ceilings,  # noqa: E402
+                           stats, time_launches)
 
 # ~1K, 4K, 16K, 32K, 64K, 256K, 1M and 1.57M looked-up rows (65536 tokens: vLLM's bar).
 TOKENS = [43, 64, 171, 683, 1366, 2731, 10923, 43691, 65536]   # 64: the bar's 1.5K rows

@@ -34,10 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import RESULTS, environment, write_results  # noqa: E402
 from engram_ray.model.layout import EngramLayout, load_layout  # noqa: E402
 from engram_ray.tables.local_group import (check_member, expected_rows, file_barrier,  # noqa: E402
-                                        random_row_ids, run_group)
+                                           random_row_ids, run_group)
+
+from common import RESULTS, environment, write_results  # noqa: E402
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
@@ -146,6 +147,7 @@ HINT_SWEEP = [{}, {"split_bytes": 0, "prefetch": True}, {"split_bytes": 32},
 def lookup_with(config, ids, layout, bases, per_rank):
     """engram_lookup with `config` as the peer launch for its tile rows (restored after)."""
     from engram_ray.kernels.lookup import engram_lookup
+
     from lookup_timing import launch_config
     with launch_config("peer", config):
         return engram_lookup(ids, head_dim=layout.head_dim, peer_bases=bases,
@@ -156,6 +158,7 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
     """Half-remote lookups (the table's own path), all-remote and all-local lookups, the
     local index_select baseline; at >= `sweep_min_rows` rows also kernel tile variants."""
     from engram_ray.kernels.lookup import engram_lookup
+
     from lookup_timing import num_id_sets, stats, time_launches
 
     table = tables.tables[layout.layer_ids[0]]
@@ -216,6 +219,7 @@ def bench_lookups(tables, layout, budget_s: float, sweep_min_rows: int) -> list[
 def gpu_member(rank: int, layout: EngramLayout, store_dir: str, done_path: str,
                budget_s: float, sweep_min_rows: int) -> dict:
     import torch
+
     from engram_ray.planning.memory import make_plan
     from engram_ray.tables.settings import PeerGroupSettings
     from engram_ray.tables.table import open_group_tables

@@ -32,13 +32,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_peer import GIB, LOOKUP_ROWS, SMALL  # noqa: E402
+from engram_ray.model.layout import EngramLayout, load_layout  # noqa: E402
+from engram_ray.tables.local_group import (expected_rows, file_barrier,  # noqa: E402
+                                           random_row_ids, run_group)
+
+from bench_peer import GIB, LOOKUP_ROWS, SMALL, peer_copy_ceiling  # noqa: E402
 from common import add_results_argument, environment, write_results  # noqa: E402
 from lookup_timing import num_id_sets  # noqa: E402
-from bench_peer import peer_copy_ceiling  # noqa: E402
-from engram_ray.model.layout import EngramLayout, load_layout  # noqa: E402
-from engram_ray.tables.local_group import (expected_rows, file_barrier, random_row_ids,  # noqa: E402
-                                         run_group)
 
 KV_FRACTION = 0.9          # vLLM's default gpu_memory_utilization
 SAMPLE_TOKENS = 16         # tokens of each lookup id set compared bit-exact with the reference
@@ -74,6 +74,7 @@ def member_lookups(rank: int, size: int, table, layout: EngramLayout, barrier_di
                    budget_s: float) -> list[dict]:
     """All ranks at once (barrier before each size): uniform ids, timed; sampled bit-exact."""
     import torch
+
     from lookup_timing import stats, time_launches
     device = f"cuda:{rank}"
     rows = []
@@ -100,6 +101,7 @@ def member_lookups(rank: int, size: int, table, layout: EngramLayout, barrier_di
 def scale_member(rank: int, size: int, layout: EngramLayout, store_dir: str, budget_s: float,
                  copy_reps: int) -> dict:
     import torch
+
     from engram_ray.planning.memory import make_plan
     from engram_ray.tables.settings import PeerGroupSettings
     from engram_ray.tables.table import open_group_tables

@@ -26,10 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import add_results_argument, environment, write_results  # noqa: E402
 from engram_ray.local.vllm_bench import (ENDPOINTS, PERCENTILES, bench_serve,  # noqa: E402
-                                          vllm_version)
+                                         vllm_version)
 from engram_ray.local.warmup import warm_up  # noqa: E402
+
+from common import add_results_argument, environment, write_results  # noqa: E402
 
 # Load settings sized for a 2-core CPU: one client at a time (latency without queueing),
 # 16 clients, Poisson arrivals at 8 req/s, and every prompt sent at once (peak throughput).

@@ -30,9 +30,9 @@ LAYOUTS = {"2x1": (2, 1), "1x2": (1, 2)}
 
 
 def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int) -> dict:
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
     from engram_ray.local.faults import kill_under_load
     from engram_ray.local.loadgen import LOST, Traffic
-    from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
     from engram_ray.local.probes import probe_summary, run_probes
 
     num_groups, size = LAYOUTS[layout]

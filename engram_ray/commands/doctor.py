@@ -30,6 +30,7 @@ class Check:
 def configure(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
     from engram_ray.tables.backends.base import shm_dir
+
     # The shm backend's own folder ($ENGRAM_RAY_SHM_DIR, default /dev/shm), not a fixed path.
     parser.add_argument("--shm-dir", default=shm_dir(),
                         help="shared-memory folder to check (default: $ENGRAM_RAY_SHM_DIR or "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, HostKVBudget, KVTokenBytes
-from engram_ray.planning.host_kv import host_kv_budget, kv_bytes_per_token
 from engram_ray.model.layout import load_model_config
+from engram_ray.planning.host_kv import (HOST_KV_RESERVE_GIB, HostKVBudget, KVTokenBytes,
+                                         host_kv_budget, kv_bytes_per_token)
 from engram_ray.planning.memory import HOST_MODES, PLACEMENTS, MemoryPlan, gib, make_plan
 
 HELP = "print the Engram table memory plan (HBM, host, peer-group split) for a model"

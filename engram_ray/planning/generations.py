@@ -23,11 +23,11 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from engram_ray.planning.assignment import (create_store_dir, generation_id, generation_store_dir,
-                                   group_store_root, remove_store_dir, slices_of)
 from engram_ray.config import DeploymentConfig
 from engram_ray.errors import EngramRayError
 from engram_ray.model.layout import EngramLayout
+from engram_ray.planning.assignment import (create_store_dir, generation_id, generation_store_dir,
+                                            group_store_root, remove_store_dir, slices_of)
 
 
 class GroupMismatchError(EngramRayError):

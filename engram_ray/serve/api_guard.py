@@ -26,9 +26,7 @@ import logging
 import re
 import uuid
 
-from engram_ray.serve import api_errors
-
-from engram_ray.serve import request_checks
+from engram_ray.serve import api_errors, request_checks
 from engram_ray.serve.config import RequestLimits
 from engram_ray.serve.request_checks import RequestRefused
 

@@ -99,7 +99,6 @@ def build_engram_app(args: dict, server_cls=None):
 
     from engram_ray.actors.coordinator import get_coordinator
     from engram_ray.actors.placement import gang_options, plan_groups
-
     from engram_ray.serve.config import check_engine_kwargs, check_llm_options
 
     app = ServeAppConfig.from_dict(args, "build_app args")

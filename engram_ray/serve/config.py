@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engram_ray.config import DeploymentConfig, _check_choice, _check_number, _check_text
-from engram_ray.config import _field, _Section
+from engram_ray.config import (DeploymentConfig, _check_choice, _check_number, _check_text, _field,
+                               _Section)
 from engram_ray.errors import ConfigError
-from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
 from engram_ray.metrics.exposition import DEFAULT_BIND_ADDRESS
+from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"

@@ -35,10 +35,10 @@ from ray.serve.llm.deployment import DPServer, LLMServer  # Ray 2.60's public na
 
 from engram_ray.errors import EngramRayError
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
+from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
+                                           port_name)
 from engram_ray.serve.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.serve.engine_shm import record_segments, release_recorded
-from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
-                                          port_name)
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
 from engram_ray.tables.settings import PeerGroupSettings
 

@@ -27,7 +27,6 @@ group without FABRIC handles.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engram_ray.model.reference import random_table
+
 from lookup_support import HEAD_DIM, NUM_ROWS, ROW_BYTES, ROWS_PER_RANK
 
 

@@ -29,9 +29,9 @@ def _checkpoint_table(layer_idx, layout):
 
 
 def session_member(rank, layout, size, store_dir, generation):
+    from engram_ray.model.reference import lookup_reference
     from engram_ray.tables.settings import PeerGroupSettings
     from engram_ray.tables.table import EngramTables
-    from engram_ray.model.reference import lookup_reference
 
     torch.cuda.set_device(rank)
     settings = PeerGroupSettings(size=size, store_dir=store_dir, rank=rank, generation=generation,

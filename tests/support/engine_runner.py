@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from engram_ray.vllm.engine_settings import architecture_engine_kwargs
 from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.vllm.engine_settings import architecture_engine_kwargs
 
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 

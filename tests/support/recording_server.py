@@ -12,7 +12,6 @@ from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.serve.replica import EngramDPServer, EngramLLMServer
 
 
-
 def records_dir(peer_group_store: str) -> str:
     return peer_group_store.rstrip("/") + "-records"
 

@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # annotations only: pidfd (doctor's probe child) must not imp
 
 from engram_ray.errors import EngramRayError
 
-
 DEFAULT_SHM_DIR = "/dev/shm"
 
 

@@ -19,7 +19,8 @@ import torch
 
 from engram_ray.tables.backends import cuda_driver as drv
 from engram_ray.tables.backends.base import PeerMemory, PeerMemoryError, host_identity
-from engram_ray.tables.backends.handle_types import choose_handle_type, offered_types, requested_type
+from engram_ray.tables.backends.handle_types import (choose_handle_type, offered_types,
+                                                     requested_type)
 from engram_ray.tables.backends.pidfd import allow_fd_takers, pidfd_getfd
 
 

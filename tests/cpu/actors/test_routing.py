@@ -6,8 +6,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from engram_ray.planning.generations import GenerationBook
 from engram_ray.model.layout import load_layout
+from engram_ray.planning.generations import GenerationBook
 from engram_ray.serve.cluster_configs import load_serve_config
 from engram_ray.serve.ingress import GroupRouting, error_event, is_group_failure
 

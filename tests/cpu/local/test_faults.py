@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from engram_ray.serve.api_errors import leaks
 from engram_ray.local.loadgen import LOST, OK, Traffic, request_body
+from engram_ray.serve.api_errors import leaks
 
 pytestmark = pytest.mark.slow
 PROMPT = "The river"

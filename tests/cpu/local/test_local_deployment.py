@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from engram_ray.serve import engine_shm
 from engram_ray.local.loadgen import run_load
 from engram_ray.local.prometheus import Prometheus, free_port, scrape_config
 from engram_ray.local.summary import engine_row, merge_by_engine
+from engram_ray.serve import engine_shm
 
 pytestmark = pytest.mark.slow
 
@@ -244,8 +244,7 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     lost silently and new ones fail fast: 503 with Retry-After, until the group serves again."""
     import ray
 
-    from engram_ray.local.loadgen import LOST, Traffic, check_generation_order, \
-        probe_generations
+    from engram_ray.local.loadgen import LOST, Traffic, check_generation_order, probe_generations
 
     if ray.is_initialized():  # a driver left by an earlier module would refuse a second init
         ray.shutdown()

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from engram_ray.errors import EngramRayError
-from engram_ray.serve.engine_shm import processes_using
 from engram_ray.local.deployment import LocalDeployment, LocalOptions
+from engram_ray.serve.engine_shm import processes_using
 
 
 @pytest.fixture

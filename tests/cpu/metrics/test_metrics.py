@@ -8,9 +8,9 @@ import torch
 from prometheus_client import REGISTRY, Gauge
 
 from engram_ray.errors import ConfigError
-from engram_ray.model.layout import load_layout
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics, count_remote_rows
 from engram_ray.metrics.exposition import MetricsServer, write_file_sd
+from engram_ray.model.layout import load_layout
 from engram_ray.planning.memory import make_plan, owner_of
 
 IDENTITY = EngineIdentity("deepseek-v4.1-flash", "engine-0", "group-0", 3)
@@ -128,8 +128,8 @@ def test_model_process_metrics_endpoint_is_announced_in_its_target_file(tmp_path
 
 
 def test_generation_number_reads_the_index_of_a_generation_id():
-    from engram_ray.planning.assignment import generation_id
     from engram_ray.metrics.engine import generation_number
+    from engram_ray.planning.assignment import generation_id
 
     for index in (1, 2, 17):
         assert generation_number(generation_id("local", "group-0", index, "a1b2c3")) == index

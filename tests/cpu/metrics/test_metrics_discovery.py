@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.serve.cluster_configs import load_serve_config, read_yaml
-from engram_ray.metrics.exposition import (MetricsServer, TargetsServer, metrics_port,
-                                           port_name, target_groups, write_file_sd)
 from engram_ray.local.prometheus import Prometheus, free_port
+from engram_ray.metrics.exposition import (MetricsServer, TargetsServer, metrics_port, port_name,
+                                           target_groups, write_file_sd)
+from engram_ray.serve.cluster_configs import load_serve_config, read_yaml
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 # Kubernetes' IANA_SVC_NAME: 1-15 lowercase letters, digits and single inner hyphens.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engram_ray.model.hashing import (build_token_map, hash_context, hash_multipliers, hash_ngrams,
-                                ngram_context)
+                                      ngram_context)
 from engram_ray.model.layout import EngramLayout, load_layout
 from engram_ray.vllm.tiny_tokenizer import train_tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engram_ray.model.reference import (dequantize_rows, lookup_reference, lookup_reference_split,
-                                  pack_rows, random_table, row_bytes_for, unpack_rows)
+                                        pack_rows, random_table, row_bytes_for, unpack_rows)
 
 HEAD_DIM = 256
 ROW_BYTES = 264

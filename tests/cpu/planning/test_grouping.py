@@ -7,10 +7,11 @@ import stat
 
 import pytest
 
-from engram_ray.planning.assignment import (MAX_GENERATION_CHARS, create_store_dir, generation_id,
-                                   generation_store_dir, remove_store_dir, slices_of)
-from engram_ray.planning.grouping import NODE_ID_LABEL_KEY, NodeSlots, domain_summary, domains_of, place_groups
 from engram_ray.model.layout import EngramLayout
+from engram_ray.planning.assignment import (MAX_GENERATION_CHARS, create_store_dir, generation_id,
+                                            generation_store_dir, remove_store_dir, slices_of)
+from engram_ray.planning.grouping import (NODE_ID_LABEL_KEY, NodeSlots, domain_summary, domains_of,
+                                          place_groups)
 from engram_ray.planning.memory import rows_per_rank
 
 KEY = "engram.io/nvlink-domain"

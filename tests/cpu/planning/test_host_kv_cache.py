@@ -6,9 +6,9 @@ are checked against vLLM's own `EngineArgs` and the `VllmConfig` it builds from 
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.planning.host_kv import (HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG, freed_host_kv_budget,
-                                host_kv_budget, kv_bytes_per_token)
 from engram_ray.model.layout import load_layout
+from engram_ray.planning.host_kv import (HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG,
+                                         freed_host_kv_budget, host_kv_budget, kv_bytes_per_token)
 from engram_ray.planning.memory import GIB, gib, make_plan
 from engram_ray.serve.app import engine_kwargs
 from engram_ray.serve.config import ServeAppConfig, check_engine_kwargs

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from engram_ray.planning.topology import (FABRIC_CLIQUE_ID_UNSET, KIND_HOST, KIND_MNNVL, KIND_NONE,
-                                 NVML_GPU_FABRIC_STATE_COMPLETED, FabricInfo, GpuReport,
-                                 NodeReport, decide_domain, format_labels, label_value,
-                                 node_labels)
+                                          NVML_GPU_FABRIC_STATE_COMPLETED, FabricInfo, GpuReport,
+                                          NodeReport, decide_domain, format_labels, label_value,
+                                          node_labels)
 
 RACK_UUID = "5f3c0a1e9b7d4c2a8e6f1b3d5a7c9e0f"
 NVML_ERROR_NOT_READY = 12  # an nvmlReturn_t other than NVML_SUCCESS

@@ -15,18 +15,17 @@ import time
 
 import pytest
 from fastapi import HTTPException
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    CompletionResponse, ErrorInfo, ErrorResponse, ModelCard)
-from ray.llm._internal.serve.core.ingress.ingress import (
-    DEFAULT_ENDPOINTS, OpenAiIngress, init)
+from ray.llm._internal.serve.core.configs.openai_api_models import (CompletionResponse, ErrorInfo,
+                                                                    ErrorResponse, ModelCard)
+from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
 from engram_ray.errors import ConfigError
+from engram_ray.local.probes import check_response, probe_summary, probe_table
 from engram_ray.serve.api_errors import MAX_MESSAGE_CHARS, leaks
 from engram_ray.serve.api_guard import ApiGuard, guarded_ingress_app
 from engram_ray.serve.config import RequestLimits, ServingConfig
-from engram_ray.local.probes import check_response, probe_summary, probe_table
 
 MODEL = "engram-tiny"
 JSON_HEADERS = {"content-type": "application/json"}

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from engram_ray.local.prometheus import free_port
 from engram_ray.local.probes import probe_summary, run_probes
+from engram_ray.local.prometheus import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "engram-tiny"
@@ -45,8 +45,7 @@ def _app():
         """Answers as Ray Serve LLM's LLMServer does: one response, or SSE chunk lists."""
 
         async def completions(self, body, raw_request_info):
-            from ray.llm._internal.serve.core.configs.openai_api_models import (
-                CompletionResponse)
+            from ray.llm._internal.serve.core.configs.openai_api_models import CompletionResponse
 
             if body.stream:
                 chunk = {"id": "c", "object": "text_completion", "created": 1, "model": MODEL,

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from engram_ray.serve import engine_shm
+
 # A child that maps a segment the way vLLM's executor does (multiprocessing.shared_memory),
 # untracked, so only engram-ray can remove it; it prints the path and waits to be killed.
 CHILD = textwrap.dedent("""

@@ -11,8 +11,8 @@ import pytest
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
 from engram_ray.serve.app import engine_kwargs, llm_config, server_class
 from engram_ray.serve.cluster_configs import load_serve_config
-from engram_ray.serve.replica import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
-                                       EngramLLMServer, peer_group_settings)
+from engram_ray.serve.replica import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer, EngramLLMServer,
+                                      peer_group_settings)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
@@ -146,8 +146,8 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
     from types import SimpleNamespace
 
     from engram_ray.actors.coordinator import get_coordinator
-    from engram_ray.serve.config import ServeAppConfig
     from engram_ray.metrics.exposition import MetricsServer
+    from engram_ray.serve.config import ServeAppConfig
     from engram_ray.serve.replica import EngramServerMixin
 
     taken = MetricsServer([], "127.0.0.1", 0)

@@ -12,8 +12,8 @@ import torch
 
 from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
-from engram_ray.tables.local_group import check_member, expected_rows, random_row_ids, run_group
 from engram_ray.planning.memory import make_plan, rows_per_rank, slice_range
+from engram_ray.tables.local_group import check_member, expected_rows, random_row_ids, run_group
 from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.tables.table import open_group_tables
 
@@ -107,8 +107,8 @@ def test_checkpoint_fill_reads_only_own_rows(tmp_path, shm_dir, scale_suffix):
     """A safetensors checkpoint (fp8 values, e8m0 scales) fills each rank's rows exactly."""
     from safetensors.torch import save_file
 
-    from engram_ray.tables import fill
     from engram_ray.model.reference import random_table
+    from engram_ray.tables import fill
 
     tables = {lid: random_table(rows, TINY.head_dim, generator=torch.Generator().manual_seed(lid))
               for lid, rows in zip(TINY.layer_ids, TINY.rows_per_table)}

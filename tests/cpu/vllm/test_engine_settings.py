@@ -7,9 +7,9 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from engram_ray.vllm.engine_settings import architecture_engine_kwargs, model_architectures
 from engram_ray.serve.app import engine_kwargs
 from engram_ray.serve.cluster_configs import load_serve_config
+from engram_ray.vllm.engine_settings import architecture_engine_kwargs, model_architectures
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "cluster_configs"

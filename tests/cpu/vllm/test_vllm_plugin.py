@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engram_ray.errors import ConfigError
+from engram_ray.model.reference import lookup_reference, pack_rows
 from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.vllm.deepseek_engram import close_members
-from engram_ray.model.reference import lookup_reference, pack_rows
 from engram_ray.vllm.plugin import ENGRAM_MODULE, install_deepseek_patch, register
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
