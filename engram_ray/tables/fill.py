@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -79,6 +80,15 @@ def find_table_tensors(checkpoint: str, layer_id: int):
     raise ConfigError("checkpoint", f"{checkpoint} has no tensor named '*{suffix}'",
                       f"the Engram table of layer {layer_id} (…{suffix} and its "
                       "…scale or …weight_scale_inv)")
+
+
+def parse_table_tensor(name: str) -> tuple[int, str]:
+    """(layer id, "weight" | "weight_scale_inv") of a checkpoint table tensor name."""
+    match = re.search(r"layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv)$", name)
+    if match is None:
+        raise ValueError(f"{name!r} is not an Engram table tensor "
+                         "(expected '...layers.<id>.engram.embed.weight[_scale_inv]')")
+    return int(match.group(1)), match.group(2)
 
 
 def _checkpoint_names(checkpoint: str):

@@ -21,7 +21,6 @@ Each table is an `EngramTable`; a whole table is the P = 1 case without a memory
 
 from __future__ import annotations
 
-import importlib
 import time
 
 import torch
@@ -30,7 +29,8 @@ from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
 from engram_ray.model.reference import row_bytes_for
 from engram_ray.planning.memory import rows_per_rank, slice_range
-from engram_ray.tables import BACKENDS, FILLS
+from engram_ray.tables import FILLS
+from engram_ray.tables.backends import make_memory
 from engram_ray.tables.backends.base import PeerMemory
 from engram_ray.tables.rendezvous import Rendezvous
 from engram_ray.tables.settings import PeerGroupSettings
@@ -238,6 +238,7 @@ class EngramTables:
         """vLLM's weight loading of one table tensor: written into a whole table; for a group
         only checked, since this rank's rows were read from the checkpoint before the
         rendezvous and peers may be reading them already."""
+        from engram_ray.tables.fill import parse_table_tensor
         layer_id, kind = parse_table_tensor(name)
         if self.settings is None:
             self.tables[layer_id].load_columns(kind, weight, name)
@@ -266,26 +267,6 @@ class EngramTables:
             table.release()
         if self.memory is not None:
             self.memory.close()
-
-
-def parse_table_tensor(name: str) -> tuple[int, str]:
-    """(layer id, "weight" | "weight_scale_inv") of a checkpoint table tensor name."""
-    import re
-
-    match = re.search(r"layers\.(\d+)\.engram\.embed\.(weight|weight_scale_inv)$", name)
-    if match is None:
-        raise ValueError(f"{name!r} is not an Engram table tensor "
-                         "(expected '...layers.<id>.engram.embed.weight[_scale_inv]')")
-    return int(match.group(1)), match.group(2)
-
-
-def make_memory(settings: PeerGroupSettings, device: str) -> PeerMemory:
-    """This member's backend (`settings.backend`); handle_type and cross_node reach its
-    constructor (the cuda backend honours them, the shm backend refuses a CUDA handle type)."""
-    module_name, class_name = BACKENDS[settings.backend].split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(rank=settings.rank, size=settings.size, device=device, tag=settings.generation,
-               handle_type=settings.handle_type, cross_node=settings.cross_node)
 
 
 def open_group_tables(layout: EngramLayout, settings: PeerGroupSettings, *,

@@ -18,12 +18,13 @@ import torch
 from engram_ray.errors import ConfigError
 from engram_ray.model.layout import EngramLayout
 from engram_ray.tables.backends import cuda_driver as drv
+from engram_ray.tables.backends import make_memory
 from engram_ray.tables.backends.base import PeerMemoryError
 from engram_ray.tables.backends.handle_types import (choose_handle_type, offered_types,
                                                      requested_type)
 from engram_ray.tables.rendezvous import RendezvousError
 from engram_ray.tables.settings import PeerGroupSettings
-from engram_ray.tables.table import EngramTables, make_memory
+from engram_ray.tables.table import EngramTables
 
 TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
