@@ -32,13 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
+from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
+from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
+from engram_ray.tables.lookup import TableLookup  # noqa: E402
+
 import model_lookup_report as report  # noqa: E402
 import vllm_engram_ref  # noqa: E402
 from common import add_results_argument  # noqa: E402
-from engram_ray.kernels.lookup import engram_lookup  # noqa: E402
-from engram_ray.tables.lookup import TableLookup  # noqa: E402
-from engram_ray.kernels.lookup_launch import LookupLauncher  # noqa: E402
-from engram_ray.kernels.lookup_order import FUSE_AT  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
                            fill_random, num_id_sets, spread, stats, time_launches)
 

@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from engram_ray.tables.backends.host_memory import allocate_host_table
 from engram_ray.kernels import lookup as kernel
 from engram_ray.kernels.lookup_tuning import num_id_sets  # noqa: F401 (the benchmarks' import)
 from engram_ray.model.reference import random_table
+from engram_ray.tables.backends.host_memory import allocate_host_table
 
 HEAD_DIM, ROW_BYTES, NUM_COLS = 256, 264, 24
 GIB = 1 << 30

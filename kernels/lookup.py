@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel  # noqa: F401
-from engram_ray.kernels.lookup_launch import (  # noqa: F401  (re-exported)
-    _HOST_POINTERS_OK, LookupLauncher, check_table, table_placement)
+from engram_ray.kernels.lookup_launch import (_HOST_POINTERS_OK,  # noqa: F401  (re-exported)
+                                              LookupLauncher, check_table, table_placement)
 from engram_ray.kernels.lookup_policy import (  # noqa: F401  (re-exported: the policy API)
     MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, SPLIT_HEAD_DIM, TILE_CONFIGS, TILE_POLICY,
     TileConfig, choose_block_rows, large_block_rows, split_words, tile_config)

@@ -4,8 +4,7 @@
 import triton
 import triton.language as tl
 
-from engram_ray.kernels.lookup_tiles import (load_tile, load_tile_split, store_tile,
-                                             store_tile_split)
+from engram_ray.kernels.lookup_tiles import load_tile, load_tile_split, store_tile, store_tile_split
 
 SCALE_WORDS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 

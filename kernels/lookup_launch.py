@@ -31,12 +31,12 @@ import math
 
 import torch
 
-from engram_ray.tables.backends.host_memory import is_huge_page_backed
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel
 from engram_ray.kernels.lookup_order import GraphSort, call_key
 from engram_ray.kernels.lookup_policy import (ORDER_BY, SORT_MIN_ROWS, TILE_POLICY,
                                               choose_block_rows, split_words, tile_config)
 from engram_ray.model.reference import row_bytes_for
+from engram_ray.tables.backends.host_memory import is_huge_page_backed
 
 OUT_DTYPES = {torch.uint8: "packed", torch.bfloat16: "bf16"}
 MAX_ROWS_PER_LAUNCH = 1 << 30

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engram_ray.model.reference import lookup_reference, lookup_reference_split, random_table
-from lookup_support import (HEAD_DIM, OUTS, ROW_BYTES, ROWS_PER_RANK, SHAPES, TILES,
-                            sort_id, assert_bitwise, check, lookup, poisoned, random_ids,
-                            seeded, shape_id, tile_id)
+
+from lookup_support import (HEAD_DIM, OUTS, ROW_BYTES, ROWS_PER_RANK, SHAPES, TILES, assert_bitwise,
+                            check, lookup, poisoned, random_ids, seeded, shape_id, sort_id, tile_id)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,8 +39,8 @@ def test_host_thp(thp_table, out, tile, shape, seed):
 
 
 def test_thp_table_is_registered_on_huge_pages(thp_table, host_table):
-    from engram_ray.tables.backends.host_memory import huge_page_bytes, is_huge_page_backed
     from engram_ray.kernels.lookup import table_placement
+    from engram_ray.tables.backends.host_memory import huge_page_bytes, is_huge_page_backed
     assert thp_table.is_pinned() and is_huge_page_backed(thp_table)
     assert table_placement(thp_table, None) == "host_thp"
     assert table_placement(host_table, None) == "host"

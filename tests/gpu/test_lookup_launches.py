@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engram_ray.model.reference import lookup_reference
+
 from lookup_support import (HEAD_DIM, NUM_ROWS, OUTS, ROW_BYTES, ROWS_PER_RANK, TILES,
-                            assert_bitwise, check, lookup, poisoned, random_ids, seeded,
-                            tile_id)
+                            assert_bitwise, check, lookup, poisoned, random_ids, seeded, tile_id)
 
 pytestmark = pytest.mark.gpu
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engram_ray.model.reference import lookup_reference
+
 from lookup_support import HEAD_DIM, NUM_ROWS, ROWS_PER_RANK, assert_bitwise, poisoned, random_ids
 
 pytestmark = pytest.mark.gpu
@@ -103,8 +104,8 @@ def test_direct_launches_match_the_reference(hbm_table, host_table, placement):
 def test_metered_lookups_do_not_wait_for_the_gpu(hbm_table, host_table, monkeypatch):
     """A sampled lookup records events and device-side counts: the host returns while the GPU
     is still busy; the samples are published once their events completed (scrape / drain)."""
-    from engram_ray.metrics.lookup_meter import LookupMeter
     from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
+    from engram_ray.metrics.lookup_meter import LookupMeter
 
     metrics = EngineMetrics(EngineIdentity("m", "e", "g", 0))
     meter = LookupMeter(metrics, 1, ROWS_PER_RANK, rank=0, gpu_sample_every=2)

@@ -19,8 +19,8 @@ import warnings
 
 import torch
 
-from engram_ray.tables.backends.base import (PeerMemory, PeerMemoryError, host_identity,
-                                             same_host, shm_dir)
+from engram_ray.tables.backends.base import (PeerMemory, PeerMemoryError, host_identity, same_host,
+                                             shm_dir)
 
 
 def _as_tensor(mm: mmap.mmap, num_rows: int, row_bytes: int) -> torch.Tensor:
