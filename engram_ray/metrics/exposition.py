@@ -162,8 +162,8 @@ def start_process_metrics(additional_config) -> EngineMetrics | None:
     `engram_metrics` entry (the engine was not started by the Serve app).
 
     `additional_config["engram_metrics"]`: model, engine, peer_group, rank, bind_address,
-    advertise_host, target_file, port (fixed, or 0/absent for a free one). Tables feed it
-    through `engram_ray.tables.table.EngramTables.attach_meters`.
+    advertise_host, target_file, port (fixed, or 0/absent for a free one). Tables opened
+    with it (`engram_ray.tables.table.open_group_tables(..., metrics=...)`) feed it.
     """
     raw = (additional_config or {}).get(PROCESS_METRICS_KEY)
     if not raw:

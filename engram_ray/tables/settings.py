@@ -25,7 +25,7 @@ handle types, so it is refused with backend "shm" (whose slices travel as shared
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 from engram_ray.errors import ConfigError
 from engram_ray.tables import BACKENDS
@@ -33,8 +33,6 @@ from engram_ray.tables.backends.handle_types import check_handle_request
 
 ADDITIONAL_CONFIG_KEY = "engram_peer_group"
 FIELD = f"additional_config.{ADDITIONAL_CONFIG_KEY}"  # how errors name these settings
-_REQUIRED = ("size", "store_dir", "rank", "generation")
-_OPTIONAL = ("timeout_s", "backend", "cross_node", "handle_type")
 _GENERATION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -116,11 +114,12 @@ class PeerGroupSettings:
         if not isinstance(raw, dict):
             raise ConfigError(FIELD, f"is {raw!r}", "an object {size, store_dir, rank, "
                                                     "generation}")
-        unknown = sorted(set(raw) - set(_REQUIRED) - set(_OPTIONAL))
+        keys = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(keys))
         if unknown:
             raise ConfigError(f"{FIELD}.{unknown[0]}", "is not a known key",
-                              f"keys among {', '.join(_REQUIRED + _OPTIONAL)}")
-        missing = [key for key in _REQUIRED if key not in raw]
+                              f"keys among {', '.join(keys)}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in raw]
         if missing:
             raise ConfigError(f"{FIELD}.{missing[0]}", "is missing",
                               "size, store_dir, rank and generation")

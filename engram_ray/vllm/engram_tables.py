@@ -19,7 +19,7 @@ import torch
 
 from engram_ray.model.layout import EngramLayout
 from engram_ray.tables.settings import PeerGroupSettings
-from engram_ray.tables.table import EngramTables
+from engram_ray.tables.table import EngramTables, open_group_tables
 
 # Under vLLM's logger, whose handler vLLM configures in every engine process.
 logger = logging.getLogger("vllm.engram_ray.tables")
@@ -33,7 +33,6 @@ def open_model_tables(layout: EngramLayout, vllm_config) -> EngramTables:
         logger.info("Engram tables: whole in this engine (%s), no peer group configured", device)
         return EngramTables.whole(layout, device)
     from engram_ray.metrics.exposition import start_process_metrics
-    from engram_ray.tables.table import open_group_tables
 
     is_dummy = str(vllm_config.load_config.load_format) == "dummy"
     metrics = start_process_metrics(vllm_config.additional_config)
