@@ -165,8 +165,10 @@ def test_coordinator_slots_per_node_and_its_http_sd(ray_local, tmp_path):
         for r in (0, 1):
             ray.get(coordinator.join.remote("group-0", "gang1", r, 2, f"m{r}"))
         slot = coordinator.metrics_slot.remote
-        assert ray.get([slot("m0", "node-x"), slot("m1", "node-x"), slot("m0", "node-x"),
-                        slot("m1", "node-y")]) == [0, 1, 0, 0]
+        # One ask at a time: the coordinator is a threaded actor (max_concurrency=16), so calls
+        # sent together may run in any order, and "lowest free" depends on the order.
+        asks = [("m0", "node-x"), ("m1", "node-x"), ("m0", "node-x"), ("m1", "node-y")]
+        assert [ray.get(slot(*ask)) for ask in asks] == [0, 1, 0, 0]
         ray.get(coordinator.register_target.remote("m0", "127.0.0.1:9500",
                                                    {"endpoint": "engram-0"}))
         ray.get(coordinator.register_target.remote("m0/model", "127.0.0.1:9501",
@@ -260,8 +262,14 @@ def _ray_up_path(sd_file: Path, tmp_path: Path) -> tuple[dict, str]:
     config = yaml.safe_load((tmp_path / "obs/prometheus/prometheus.yml").read_text())
     config["rule_files"] = [str(tmp_path / "obs/prometheus" / f) for f in config["rule_files"]]
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    # The engines' list for the engram job; Ray's own discovery file (the ray job) is empty
+    # here: pointing both jobs at the engines' list would scrape each engine twice.
+    ray_sd = tmp_path / "ray_targets.json"
+    ray_sd.write_text("[]")
     for job in config["scrape_configs"]:
-        job["file_sd_configs"] = [{"files": [str(sd_file)], "refresh_interval": "1s"}]
+        files = [str(sd_file if job["job_name"] == "engram" else ray_sd)]
+        job["file_sd_configs"] = [{"files": files, "refresh_interval": "1s"}]
+    assert "engram" in [job["job_name"] for job in config["scrape_configs"]]
     return config, cluster
 
 
