@@ -95,15 +95,22 @@ def markdown(result: dict) -> str:
                      f"{c['vllm_ms'] / c['patch_ms']:.2f} | {c['patch_ms'] / c['kernel_ms']:.3f}"
                      f" | {'yes' if c['bitwise_equal_vllm'] else 'NO'} |")
     lines += _spread_lines(result["cases"])
-    lines += ["", "Host time per call (us; back to back, GPU held by a sleep kernel; every id "
-              "set met before, as vLLM's staging buffers are; `patch, unfused`: the launcher "
-              "with no fused graphs, i.e. ids and output at new addresses):", "",
+    lines += ["", "Host time per call (us; back to back, GPU held by a sleep kernel; best of "
+              "the rounds, their median after the slash where the run kept it; every id set "
+              "met before, as vLLM's staging buffers are; `patch, unfused`: the launcher with "
+              "no fused graphs, i.e. ids and output at new addresses):", "",
               "| placement | out | rows | vLLM 0.33 | kernel alone | patch | patch, unfused |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for h in result["host_us_cases"]:
-        unfused = f"{h['patch_unfused']:.1f}" if "patch_unfused" in h else "-"
-        lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {h['vllm']:.1f} | "
-                     f"{h['kernel']:.1f} | {h['patch']:.1f} | {unfused} |")
+        median = h.get("median", {})
+
+        def cell(name):
+            if name not in h:
+                return "-"
+            return f"{h[name]:.1f}" + (f" / {median[name]:.1f}" if name in median else "")
+
+        lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {cell('vllm')} | "
+                     f"{cell('kernel')} | {cell('patch')} | {cell('patch_unfused')} |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         worst = f" (worst: {t['worst']})" if t["worst"] else ""
