@@ -14,7 +14,6 @@ and `placement` (`hbm`, `host`, `peer`) on table series; `rows` (`local`, `remot
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -210,17 +209,6 @@ class EngineMetrics:
         self.healthy.labels(**self._labels).set(1 if is_healthy else 0)
         if rendezvous_seconds is not None:
             self.rendezvous_seconds.labels(**self._labels).set(rendezvous_seconds)
-
-
-def generation_number(generation) -> int:
-    """Gauge value of a generation id: an int as is; the index of an id made by
-    `engram_ray.planning.assignment.generation_id` (`<deployment>-<group>.<index>.<token>`); else the
-    id's trailing digits (0 if none)."""
-    if isinstance(generation, int):
-        return generation
-    index = re.search(r"\.(\d+)\.[0-9a-f]+$", str(generation))
-    digits = index or re.search(r"(\d+)$", str(generation))
-    return int(digits.group(1)) if digits else 0
 
 
 def time_on_host(metrics: EngineMetrics, layer_id: int, rows_per_rank: int, rank: int,

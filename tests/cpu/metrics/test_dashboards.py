@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engram_ray.local.prometheus import Prometheus, scrape_config
-from engram_ray.metrics.engine import EngineIdentity, EngineMetrics, generation_number
+from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.metrics.exposition import MetricsServer, write_file_sd
 from engram_ray.model.hashing import hash_ngrams
 from engram_ray.model.layout import EngramLayout
@@ -89,8 +89,8 @@ class _Engine:
         self.metrics = EngineMetrics(EngineIdentity("tiny", f"engine-{rank}", "group-0", rank))
         # Measured at the rendezvous: table memory, then every lookup's time and rows.
         self.tables = open_group_tables(TINY, settings, metrics=self.metrics)
-        self.metrics.set_group(generation_number(settings.generation), True,
-                               self.tables.rendezvous_seconds)
+        # Generation index 1 ("gen-1"), as the coordinator's assignment gives it the replica.
+        self.metrics.set_group(1, True, self.tables.rendezvous_seconds)
         self.metrics.set_kv_cache(capacity_bytes=1 << 30, capacity_tokens=4096, usage=0.1)
         self.server = MetricsServer([self.metrics.registry])
 

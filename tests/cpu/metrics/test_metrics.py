@@ -125,13 +125,3 @@ def test_model_process_metrics_endpoint_is_announced_in_its_target_file(tmp_path
     finally:
         metrics.server.stop()
     assert 'engram_rows_read_total{engine="engine-0"' in text and 'rows="remote"} 1.0' in text
-
-
-def test_generation_number_reads_the_index_of_a_generation_id():
-    from engram_ray.metrics.engine import generation_number
-    from engram_ray.planning.assignment import generation_id
-
-    for index in (1, 2, 17):
-        assert generation_number(generation_id("local", "group-0", index, "a1b2c3")) == index
-    assert generation_number(4) == 4 and generation_number("gen12") == 12
-    assert generation_number("no-digits") == 0
