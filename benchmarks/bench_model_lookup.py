@@ -12,7 +12,7 @@ Modes: `gpu` (device events per launch, launches queued behind a sleep kernel, L
 `eager` (one call + sync on the host clock), `graph` (CUDA-graph replay + sync, host clock;
 both taking samples callable by callable in turn; median, p10 and p90 kept);
 id sets rotate so no launch rereads a recent one's rows (benchmarks/lookup_timing.py). Host
-time per call: mean of back-to-back calls, GPU held by a sleep kernel; best of 10 rounds.
+time per call: mean of 50 back-to-back calls, GPU held by a sleep kernel; best of 10 rounds.
 Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run.
 
 Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick] [--results DIR]
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,13 +41,12 @@ import model_lookup_report as report  # noqa: E402
 import vllm_engram_ref  # noqa: E402
 from common import add_results_argument  # noqa: E402
 from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
-                           fill_random, num_id_sets, spread, stats, time_launches)
+                           fill_random, host_us, num_id_sets, spread, stats, time_launches)
 
 TOKENS = [64, 683, 2731, 10923, 43691, 65536]  # 1.5K, 16K, 65K, 262K, 1M, 1.57M rows
 NUM_LAYERS = 2
 WALL_MIN_REPS, WALL_MAX_REPS = 30, 400  # eager and graph samples per callable
 AA_MAX_ROWS = 16_392  # up to here vLLM is also timed against itself (eager, graph)
-HOST_ROUNDS = 10  # host time per call: rounds per callable, taking turns
 WIDTH = {"packed": ROW_BYTES, "bf16": HEAD_DIM}
 DTYPE = {"packed": torch.uint8, "bf16": torch.bfloat16}
 
@@ -141,8 +139,9 @@ def time_modes(fns, id_sets, out, budget_s: float) -> dict:
     """{mode: {name: stats}} for gpu, eager and graph. The host-clock modes interleave the
     callables sample by sample, in an order rotated each time, so drift falls on each alike
     (the same small graph replay moved 16.5-22 us between rounds of whole blocks,
-    docs/lookup_experiments.md, pinned host tables against vLLM 0.33); small lookups also time vLLM against
-    itself (`vllm_again`: its own graphs), the spread two equal callables show."""
+    docs/lookup_experiments.md, pinned host tables against vLLM 0.33); small lookups also
+    time vLLM against itself (`vllm_again`: its own graphs), the spread two equal callables
+    show."""
     found = {"gpu": {}}
     graphs = {}
     for name, fn in fns.items():
@@ -214,35 +213,6 @@ def capture(fn, id_sets, out) -> list:
     return graphs
 
 
-def host_us(fns, id_sets, out, rounds: int = HOST_ROUNDS) -> dict:
-    """Host microseconds per call, back to back, the GPU held by a sleep kernel meanwhile so
-    launches only queue: the best of `rounds` rounds (an interrupt or a page fault on the host
-    lands in one round, not in the code's cost), the callables taking turns round by round so
-    they meet the same host; medians of the rounds under "median". Each id set is met FUSE_AT
-    times first, as vLLM's staging buffers are call after call (sorted lookups: one fused
-    graph replay); `patch_unfused` (host tables) is the launcher with no fused graphs (ids and
-    output at new addresses each call: bucket graph + launch)."""
-    # Few enough calls that the launch queue never fills (the host would then wait).
-    calls = 50 if out.shape[0] * out.shape[1] < 100_000 else 10
-    for fn in fns.values():
-        for _ in range(FUSE_AT):
-            for hashes in id_sets[:min(calls, len(id_sets))]:
-                fn(hashes, out)  # warm: compiled, prepared, graphs captured
-    torch.cuda.synchronize()
-    samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda._sleep(int(2e9 * 0.02))
-            start = time.perf_counter()
-            for i in range(calls):
-                fn(id_sets[i % len(id_sets)], out)
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-            torch.cuda.synchronize()
-    found = {name: min(us) for name, us in samples.items()}
-    found["median"] = {name: statistics.median(us) for name, us in samples.items()}
-    return found
-
-
 def run(args) -> dict:
     torch.cuda.set_device(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -272,7 +242,7 @@ def run(args) -> dict:
                             head_dim=HEAD_DIM, fuse_graphs=False, **case.source)
                     host.append(dict(placement=placement, out=out_kind,
                                      rows=num_tokens * NUM_COLS,
-                                     **host_us(fns, id_sets, out)))
+                                     **host_us(fns, id_sets, out, warm_passes=FUSE_AT)))
                 print(json.dumps(cases[-1]), flush=True)
         del case
         torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ a sleep kernel, so launches queue up and Python launch overhead stays out of the
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -64,6 +65,41 @@ def time_launches(fn, *, budget_s: float, min_reps: int = 10, max_reps: int = 20
 
 
 @contextlib.contextmanager
+def host_us(fns: dict, id_sets: list, out, *, warm_passes: int = 1, rounds: int = 10,
+            calls: int = 50) -> dict:
+    """Host us per call of each callable `fn(ids, out)`: `calls` back-to-back calls while a
+    sleep kernel holds the GPU (rounds where it ended first: "rounds_not_held"), after one
+    untimed call (the first after a sync pays the thread's wake-up: "first_call"; serving
+    launches back to back). Best of `rounds`, the callables taking turns; medians of the
+    rounds under "median". Every id set is met `warm_passes` times first (compiled, prepared,
+    graphs captured)."""
+    for fn in fns.values():
+        for _ in range(warm_passes):
+            for ids in id_sets[:calls]:
+                fn(ids, out)
+    torch.cuda.synchronize()
+    samples, first = {name: [] for name in fns}, {name: [] for name in fns}
+    not_held, slept = 0, torch.cuda.Event()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda._sleep(int(2e9 * 0.05))  # ~50 ms: 3x the slowest round's host time
+            slept.record()
+            start = time.perf_counter()
+            fn(id_sets[-1], out)
+            first[name].append((time.perf_counter() - start) * 1e6)
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(id_sets[i % len(id_sets)], out)
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+            not_held += slept.query()
+            torch.cuda.synchronize()
+    found = {name: min(us) for name, us in samples.items()}
+    found["median"] = {name: statistics.median(us) for name, us in samples.items()}
+    found["first_call"] = {name: statistics.median(us) for name, us in first.items()}
+    found["rounds_not_held"] = int(not_held)
+    return found
+
+
 def launch_config(placement: str, config: kernel.TileConfig):
     """Lookups of `placement` with `config.block_rows` rows use `config` inside the block."""
     saved = kernel.TILE_CONFIGS[placement]

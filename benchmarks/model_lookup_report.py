@@ -111,6 +111,10 @@ def markdown(result: dict) -> str:
 
         lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {cell('vllm')} | "
                      f"{cell('kernel')} | {cell('patch')} | {cell('patch_unfused')} |")
+    if any("rounds_not_held" in h for h in result["host_us_cases"]):
+        lost = sum(h.get("rounds_not_held", 0) for h in result["host_us_cases"])
+        lines += ["", f"Rounds in which the sleep kernel had ended before the timed calls did "
+                  f"(the host may have waited on the GPU): {lost}."]
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         worst = f" (worst: {t['worst']})" if t["worst"] else ""
