@@ -64,7 +64,6 @@ def time_launches(fn, *, budget_s: float, min_reps: int = 10, max_reps: int = 20
     return [begin.elapsed_time(end) for begin, end in events]
 
 
-@contextlib.contextmanager
 def host_us(fns: dict, id_sets: list, out, *, warm_passes: int = 1, rounds: int = 10,
             calls: int = 50) -> dict:
     """Host us per call of each callable `fn(ids, out)`: `calls` back-to-back calls while a
@@ -100,6 +99,7 @@ def host_us(fns: dict, id_sets: list, out, *, warm_passes: int = 1, rounds: int 
     return found
 
 
+@contextlib.contextmanager
 def launch_config(placement: str, config: kernel.TileConfig):
     """Lookups of `placement` with `config.block_rows` rows use `config` inside the block."""
     saved = kernel.TILE_CONFIGS[placement]
