@@ -150,20 +150,24 @@ def test_every_engram_panel_query_returns_data_from_prometheus(engines, tmp_path
     # vLLM's series need a vLLM engine: the slow deployment test checks those panels.
     queries = [(d, t, concrete(e)) for d, t, e in all_targets() if "vllm" not in e]
     assert len(queries) >= 12
-    missing = queries
+    missing, expected_up = queries, {e.server.target: "up" for e in engines}
     try:
+        # Until every panel has data and both engines have been scraped (a panel's query can
+        # answer from one engine's series while the other's first scrape is still to come).
         deadline = time.monotonic() + 60
-        while missing and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             time.sleep(1)
             missing = [q for q in missing if not prom.query(q[2])]
-        up = {t["labels"]["instance"]: t["health"] for t in prom.active_targets()}
-        values = prom.query('engram_remote_row_fraction{peer_group="group-0"}')
+            up = {t["labels"]["instance"]: t["health"] for t in prom.active_targets()}
+            values = prom.query('engram_remote_row_fraction{peer_group="group-0"}')
+            if not missing and up == expected_up and len(values) == 2:
+                break
     finally:
         stop.set()
         feeder.join(10)
         prom.stop()
     assert not missing, f"panels without data: {missing}\n{prom.log_tail()}"
-    assert up == {e.server.target: "up" for e in engines}
+    assert up == expected_up
     # Two ranks, hashed rows spread over the table: about half the rows are remote.
     fractions = [float(v["value"][1]) for v in values]
     assert len(fractions) == 2 and all(0.2 < f < 0.8 for f in fractions)
