@@ -77,8 +77,8 @@ def engine_segments() -> set[str]:
 
 
 class Local:
-    def __init__(self, workdir: Path, *options: str):
-        self.workdir, self.port = workdir, free_port()
+    def __init__(self, workdir: Path, *options: str, port: int | None = None):
+        self.workdir, self.port = workdir, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = workdir / "out.txt", workdir / "err.txt"
         self.segments_before = engine_segments()
@@ -322,7 +322,9 @@ def _wait_until_serving_generation(local, generation: int, timeout_s: float) -> 
     raise AssertionError(f"not serving generation {generation} after {timeout_s} s")
 
 
-def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
+def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean_and_stops_on_sigterm(local):
+    """Ctrl-C stops Serve and Ray and removes everything; a second run in the same workdir on
+    the same port serves again, and `kill` (SIGTERM: systemd, docker stop) stops it alike."""
     local.proc.send_signal(signal.SIGINT)
     assert local.proc.wait(120) == 130
     assert "stopping: Serve, Ray" in local.err.read_text()
@@ -339,27 +341,19 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean(local):
     host, port = local.ray_address.rsplit(":", 1)
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=2).close()
-    again = subprocess.run(["engram-ray", "local", "--once", "--workdir", str(local.workdir),
-                            "--port", str(local.port)], capture_output=True, text=True,
-                           timeout=STARTUP_S)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert "completion of 'The river':" in again.stdout
-
-
-def test_sigterm_stops_cleanly_like_ctrl_c(tmp_path):
-    """`kill` (SIGTERM: systemd, docker stop) stops Serve and Ray and cleans up as Ctrl-C does."""
-    run = Local(tmp_path)
+    again = Local(local.workdir, port=local.port)
     try:
-        run.wait_for("live metrics:", STARTUP_S)
-        run.proc.send_signal(signal.SIGTERM)
-        assert run.proc.wait(120) == 130
+        out = again.wait_for("live metrics:", STARTUP_S)
+        again.proc.send_signal(signal.SIGTERM)
+        assert again.proc.wait(120) == 130
     finally:
-        if run.proc.poll() is None:
-            run.proc.kill()
-    assert "stopping: Serve, Ray" in run.err.read_text()
+        if again.proc.poll() is None:
+            again.proc.kill()
+    assert "completion of 'The river':" in out
+    assert "stopping: Serve, Ray" in again.err.read_text()
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
-    assert not (run.workdir / "store" / "local").exists()
-    assert not engine_segments() - run.segments_before
+    assert not (again.workdir / "store" / "local").exists()
+    assert not engine_segments() - again.segments_before
 
 
 def test_worker_dying_before_ready_is_reported_in_one_line(tmp_path):
