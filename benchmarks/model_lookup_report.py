@@ -102,15 +102,9 @@ def markdown(result: dict) -> str:
               "| placement | out | rows | vLLM 0.33 | kernel alone | patch | patch, unfused |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for h in result["host_us_cases"]:
-        median = h.get("median", {})
-
-        def cell(name):
-            if name not in h:
-                return "-"
-            return f"{h[name]:.1f}" + (f" / {median[name]:.1f}" if name in median else "")
-
-        lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {cell('vllm')} | "
-                     f"{cell('kernel')} | {cell('patch')} | {cell('patch_unfused')} |")
+        cells = " | ".join(_host_cell(h, name) for name in ("vllm", "kernel", "patch",
+                                                             "patch_unfused"))
+        lines.append(f"| {h['placement']} | {h['out']} | {h['rows']:,} | {cells} |")
     if any("rounds_not_held" in h for h in result["host_us_cases"]):
         lost = sum(h.get("rounds_not_held", 0) for h in result["host_us_cases"])
         lines += ["", f"Rounds in which the sleep kernel had ended before the timed calls did "
@@ -120,6 +114,14 @@ def markdown(result: dict) -> str:
         worst = f" (worst: {t['worst']})" if t["worst"] else ""
         lines.append(f"- {'PASS' if t['passed'] else 'FAIL'}: {t['target']}: {t['value']}{worst}")
     return "\n".join(lines) + "\n"
+
+
+def _host_cell(h: dict, name: str) -> str:
+    """One callable's host time: best of the rounds, " / median" where the run kept it."""
+    if name not in h:
+        return "-"
+    median = h.get("median", {})
+    return f"{h[name]:.1f}" + (f" / {median[name]:.1f}" if name in median else "")
 
 
 def _spread_lines(cases: list[dict]) -> list[str]:

@@ -111,16 +111,16 @@ class PeerGroupSettings:
         raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
         if raw is None:
             return None
-        if not isinstance(raw, dict):
-            raise ConfigError(FIELD, f"is {raw!r}", "an object {size, store_dir, rank, "
-                                                    "generation}")
         keys = [f.name for f in fields(cls)]
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        if not isinstance(raw, dict):
+            raise ConfigError(FIELD, f"is {raw!r}", f"an object {{{', '.join(required)}}}")
         unknown = sorted(set(raw) - set(keys))
         if unknown:
             raise ConfigError(f"{FIELD}.{unknown[0]}", "is not a known key",
                               f"keys among {', '.join(keys)}")
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in raw]
+        missing = [key for key in required if key not in raw]
         if missing:
             raise ConfigError(f"{FIELD}.{missing[0]}", "is missing",
-                              "size, store_dir, rank and generation")
+                              f"{', '.join(required[:-1])} and {required[-1]}")
         return cls(**raw)
