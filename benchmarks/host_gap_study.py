@@ -16,7 +16,14 @@ turns. Every variant's output is checked bitwise against vLLM's sorted launch.
    driver's default and 32 / 128 bytes): untested for host reads so far.
 Also records the machine's NUMA nodes and the GPU's PCIe link and host-to-device copy rate.
 
+4. Lookup density (`--host-gib 8 32 --main-only`): the same lookups over a 4x larger table.
+   vLLM's scales of 4 rows share a 32-byte sector (16 a 128-byte line), so the more of a
+   table's rows one lookup reads, the more of its scale reads are shared; packed rows share
+   only a boundary sector with a looked-up neighbour. If that is the gap, it shrinks on the
+   larger table (real DeepSeek-V4.1-Flash tables are 94 GiB each, 11.7x the benchmark's).
+
 Usage: python benchmarks/host_gap_study.py --json R.json [--budget-s 0.25]
+       [--host-gib 8 [32]] [--main-only] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -47,8 +54,8 @@ from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # n
 
 TOKENS = (10923, 43691, 65536)  # 262K, 1M, 1.57M rows
 NUM_SETS = 4
-ROUNDS = 3
 FETCH = (None, 32, 128)  # None: the driver's default
+MAIN = ("vllm_sorted", "patch", "vllm gather (presorted)", "ours gather (blocks)")
 
 
 def l2_fetch(value: int | None = None) -> int:
@@ -179,10 +186,10 @@ class Study:
                 "torch.sort (vLLM's)": torch_sort}
 
 
-def timed_rounds(fns: dict, budget_s: float) -> dict:
-    """{name: median of ROUNDS round medians, and the rounds}, callables taking turns."""
+def timed_rounds(fns: dict, budget_s: float, num_rounds: int) -> dict:
+    """{name: median of the round medians, and the rounds}, callables taking turns."""
     rounds = {name: [] for name in fns}
-    for _ in range(ROUNDS):
+    for _ in range(num_rounds):
         for name, fn in fns.items():
             rounds[name].append(stats(time_launches(fn, budget_s=budget_s))["median_ms"])
     return {name: {"ms": statistics.median(r), "rounds": r} for name, r in rounds.items()}
@@ -207,9 +214,18 @@ def run(args) -> dict:
              "l2_fetch_default": l2_fetch(), "cases": [], "ordering": [], "fetch": []}
     print(json.dumps({k: found[k] for k in ("machine", "h2d_GBps", "l2_fetch_default")}),
           flush=True)
-    study = Study(args.host_gib)
+    for gib in args.host_gib:
+        study = Study(gib)
+        run_table(study, gib, args, found)
+        del study
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # pinned tables freed
+    return found
+
+
+def run_table(study: Study, gib: int, args, found: dict) -> None:
     default_fetch = found["l2_fetch_default"]
-    for tokens in TOKENS:
+    for tokens in TOKENS[1:] if args.main_only else TOKENS:
         sets = study.id_sets(tokens)
         num_rows = tokens * NUM_COLS
         presorted = [(v, d.int()) for v, d in (h.reshape(-1).sort() for h in sets)]
@@ -217,11 +233,12 @@ def run(args) -> dict:
         blocks = [study.order(h) for h in sets]
         blocks32 = [study.order(h, dst32=True) for h in sets]
         coarse = {k: [study.order(h, study.shift + k) for h in sets] for k in (2, 4)}
-        parts = study.ordering_parts(sets[0])
-        found["ordering"].append({"rows": num_rows, **timed_rounds(
-            {name: (lambda i, f=f: f(sets[i % NUM_SETS])) for name, f in parts.items()},
-            args.budget_s)})
-        print(json.dumps(found["ordering"][-1]), flush=True)
+        if not args.main_only:
+            parts = study.ordering_parts(sets[0])
+            found["ordering"].append({"table_gib": gib, "rows": num_rows, **timed_rounds(
+                {name: (lambda i, f=f: f(sets[i % NUM_SETS])) for name, f in parts.items()},
+                args.budget_s, args.rounds)})
+            print(json.dumps(found["ordering"][-1]), flush=True)
         for out_kind in ("packed", "bf16"):
             out = torch.empty(tokens, NUM_COLS, WIDTH[out_kind], dtype=DTYPE[out_kind],
                               device="cuda:0")
@@ -240,37 +257,42 @@ def run(args) -> dict:
                 "ours gather (blocks x4)": on(coarse[2], study.gather),
                 "ours gather (blocks x16)": on(coarse[4], study.gather),
             }
+            if args.main_only:
+                fns = {k: fns[k] for k in MAIN}
             equal = check_equal(fns, out)
             for _ in range(FUSE_AT + 1):  # the patch's fused graphs captured before timing
                 for i in range(NUM_SETS):
                     fns["patch"](i)
-            found["cases"].append({"rows": num_rows, "out": out_kind, "bitwise": equal,
-                                   **timed_rounds(fns, args.budget_s)})
+            found["cases"].append({"table_gib": gib, "rows": num_rows, "out": out_kind,
+                                   "bitwise": equal,
+                                   **timed_rounds(fns, args.budget_s, args.rounds)})
             print(json.dumps(found["cases"][-1]), flush=True)
-            if tokens == TOKENS[0]:
+            if tokens == TOKENS[0] or args.main_only:
                 continue
-            subset = {k: fns[k] for k in ("vllm_sorted", "patch", "vllm gather (presorted)",
-                                          "ours gather (blocks)")}
+            subset = {k: fns[k] for k in MAIN}
             for value in FETCH:
                 applied = l2_fetch(default_fetch if value is None else value)
-                found["fetch"].append({"rows": num_rows, "out": out_kind, "requested": value,
-                                       "applied": applied, **timed_rounds(subset, args.budget_s)})
+                found["fetch"].append({"table_gib": gib, "rows": num_rows, "out": out_kind,
+                                       "requested": value, "applied": applied,
+                                       **timed_rounds(subset, args.budget_s, args.rounds)})
                 print(json.dumps(found["fetch"][-1]), flush=True)
             l2_fetch(default_fetch)
-    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
-    parser.add_argument("--host-gib", type=int, default=8)
+    parser.add_argument("--host-gib", type=int, nargs="+", default=[8])
     parser.add_argument("--budget-s", type=float, default=0.25)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--main-only", action="store_true",
+                        help="1M and 1.57M rows, the four callables of MAIN, no fetch sweep")
     args = parser.parse_args()
     result = run(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
     for case in result["cases"]:
         base = case["vllm_sorted"]["ms"]
-        print(case["rows"], case["out"], " ".join(
+        print(case.get("table_gib", 8), "GiB", case["rows"], case["out"], " ".join(
             f"{name}={v['ms']:.3f}({base / v['ms']:.3f}x)" for name, v in case.items()
             if isinstance(v, dict) and "ms" in v), "bitwise", all(case["bitwise"].values()))
     for row in result["fetch"]:
