@@ -14,6 +14,11 @@ both taking samples callable by callable in turn; median, p10 and p90 kept);
 id sets rotate so no launch rereads a recent one's rows (benchmarks/lookup_timing.py). Host
 time per call: mean of 50 back-to-back calls, GPU held by a sleep kernel; best of 10 rounds.
 Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run.
+Tables: HBM and peer slices from one 16 GiB table (HBM lookups do not depend on the table's
+size); pinned host tables of 32 GiB (the targets': host memory holds tables too large for HBM,
+DeepSeek-V4.1-Flash's are 94 GiB each; two copies, ours and vLLM's, fit the machine's 128 GiB)
+and of 8 GiB (`dense`, reported beside the targets: a lookup reads 4x the share of its rows,
+where vLLM's shared scale sectors help it most; docs/lookup_experiments.md).
 
 Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick] [--results DIR]
 (latest.md and a history.jsonl line go to benchmarks/results/model_lookup/ unless --results
@@ -213,19 +218,38 @@ def capture(fn, id_sets, out) -> list:
     return graphs
 
 
+def random_packed(gib: int) -> torch.Tensor:
+    packed = torch.empty(gib * GIB // ROW_BYTES, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
+    fill_random(packed, seed=1)
+    avoid_zero_scales(packed)
+    return packed
+
+
+def tables(args):
+    """(placement, table GiB, packed rows on the GPU) of each case in turn: HBM and peer
+    from one `hbm_gib` table, then pinned host tables of `host_gib` and (`dense_host_gib`)
+    from a second (the first freed: only one source lives on the GPU at a time)."""
+    packed = random_packed(args.hbm_gib)
+    yield "hbm", args.hbm_gib, packed
+    yield "peer", args.hbm_gib, packed
+    del packed
+    torch.cuda.empty_cache()
+    packed = random_packed(max(args.host_gib, args.dense_host_gib))
+    for gib in (args.host_gib, args.dense_host_gib):
+        if gib:
+            yield "host", gib, packed[:gib * GIB // ROW_BYTES]
+            getattr(torch._C, "_host_emptyCache", lambda: None)()  # its pinned copies freed
+
+
 def run(args) -> dict:
     torch.cuda.set_device(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     kernel = vllm_engram_ref.load_kernel()
-    hbm_rows = args.hbm_gib * GIB // ROW_BYTES
-    packed = torch.empty(hbm_rows, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
-    fill_random(packed, seed=1)
-    avoid_zero_scales(packed)
     tokens = TOKENS[:3:2] + TOKENS[-1:] if args.quick else TOKENS
     cases, host = [], []
-    for placement in ("hbm", "peer", "host"):
-        source = packed if placement != "host" else packed[:args.host_gib * GIB // ROW_BYTES]
+    for placement, table_gib, source in tables(args):
         case = Case(placement, source, kernel, num_sms)
+        dense = placement == "host" and table_gib != args.host_gib
         for out_kind in ("bf16", "packed"):
             for num_tokens in tokens:
                 id_sets = case.ids_for(case.id_sets(num_tokens, seed=num_tokens))
@@ -235,16 +259,16 @@ def run(args) -> dict:
                 equal = bitwise_equal(case, fns, num_tokens, out_kind)
                 timed = time_modes(fns, id_sets, out, args.budget_s)
                 cases.extend(report.case_rows(placement, out_kind, num_tokens * NUM_COLS,
-                                              timed, equal))
+                                              timed, equal, table_gib, dense))
                 if num_tokens in (64, 2731, 65536):
                     if placement == "host":
                         fns["patch_unfused"] = LookupLauncher(
                             head_dim=HEAD_DIM, fuse_graphs=False, **case.source)
-                    host.append(dict(placement=placement, out=out_kind,
+                    host.append(dict(placement=placement, out=out_kind, table_gib=table_gib,
                                      rows=num_tokens * NUM_COLS,
                                      **host_us(fns, id_sets, out, warm_passes=FUSE_AT)))
                 print(json.dumps(cases[-1]), flush=True)
-        del case
+        del case, source
         torch.cuda.empty_cache()
     return report.finish(cases, host, args)
 
@@ -254,7 +278,12 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--md", required=True)
     parser.add_argument("--hbm-gib", type=int, default=16)
-    parser.add_argument("--host-gib", type=int, default=8)
+    parser.add_argument("--host-gib", type=int, default=32,
+                        help="pinned host table (the targets' host cases; two copies: ours, "
+                        "vLLM's)")
+    parser.add_argument("--dense-host-gib", type=int, default=8,
+                        help="a second, smaller host table, reported beside the targets "
+                        "(0: none)")
     parser.add_argument("--budget-s", type=float, default=0.1)
     parser.add_argument("--quick", action="store_true", help="3 sizes")
     add_results_argument(parser, "model_lookup")

@@ -1,0 +1,36 @@
+"""benchmarks/model_lookup_report.py: #17's targets leave the dense host table's cases out and
+report them beside the targets (pure Python, no GPU)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import model_lookup_report as report  # noqa: E402
+
+
+def _case(placement, rows, vllm_ms, patch_ms, table_gib, dense=False, mode="gpu"):
+    medians = {"vllm": {"median_ms": vllm_ms, "p99_ms": vllm_ms},
+               "kernel": {"median_ms": patch_ms, "p99_ms": patch_ms},
+               "patch": {"median_ms": patch_ms, "p99_ms": patch_ms}}
+    timed = {m: medians for m in report.MODES}
+    return [c for c in report.case_rows(placement, "packed", rows, timed, True, table_gib,
+                                        dense) if c["mode"] == mode]
+
+
+def test_dense_cases_are_reported_beside_the_targets_not_in_them():
+    cases = (_case("hbm", 1 << 21, 2.0, 1.0, 16) + _case("host", 1 << 21, 9.0, 8.0, 32)
+             + _case("host", 1 << 21, 9.0, 9.3, 8, dense=True))
+    targets = report.check_targets(cases, {"patch": 10.0})
+    slower = next(t for t in targets if t["target"].startswith("patch no slower"))
+    assert slower["passed"] and slower["value"] == round(9.0 / 8.0, 3)
+    dense = report.dense_worst(cases)
+    assert dense == dict(worst=f"host 8 GiB (dense) packed {1 << 21} rows gpu",
+                         value=round(9.0 / 9.3, 3), cases_below_1=1, cases=1)
+
+
+def test_a_slower_case_of_the_main_tables_fails_the_target():
+    cases = _case("host", 1 << 21, 9.0, 9.3, 32) + _case("host", 1 << 21, 9.0, 8.0, 8, True)
+    targets = report.check_targets(cases, {"patch": 10.0})
+    assert not targets[0]["passed"] and targets[0]["worst"] == f"host packed {1 << 21} rows gpu"
+    assert report.dense_worst(cases)["cases_below_1"] == 0
