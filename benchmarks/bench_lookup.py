@@ -164,6 +164,7 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
         sort_min_rows, window = lookup_tuning.thresholds(fixed, placement)
         kernel.SORT_MIN_ROWS[placement] = sort_min_rows
         kernel.TILE_POLICY[placement] = window
+        kernel.LARGE_TILE_MIN_SHARE.pop(placement, None)  # the window measured on this table
     policy.update(tile_configs={str(b): c.__dict__ for b, c in
                                 kernel.TILE_CONFIGS[placement].items()},
                   rows_128=kernel.TILE_POLICY[placement],
@@ -181,7 +182,8 @@ def bench_placement(table, args, ceilings) -> tuple[list[dict], dict]:
                 not placement.startswith("host") or num_rows <= args.max_host_baseline_rows))
             for row in found:
                 if row["variant"].startswith("policy"):
-                    row["block_rows"] = kernel.choose_block_rows(num_rows, ROW_BYTES, placement)
+                    row["block_rows"] = kernel.choose_block_rows(num_rows, ROW_BYTES, placement,
+                                                                 table.num_rows)
             rows += found
     for row in rows:
         add_rates(row, ceilings)

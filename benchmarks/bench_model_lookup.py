@@ -229,11 +229,15 @@ def tables(args):
     """(placement, table GiB, packed rows on the GPU) of each case in turn: HBM and peer
     from one `hbm_gib` table, then pinned host tables of `host_gib` and (`dense_host_gib`)
     from a second (the first freed: only one source lives on the GPU at a time)."""
-    packed = random_packed(args.hbm_gib)
-    yield "hbm", args.hbm_gib, packed
-    yield "peer", args.hbm_gib, packed
-    del packed
-    torch.cuda.empty_cache()
+    if {"hbm", "peer"} & set(args.placements):
+        packed = random_packed(args.hbm_gib)
+        for placement in ("hbm", "peer"):
+            if placement in args.placements:
+                yield placement, args.hbm_gib, packed
+        del packed
+        torch.cuda.empty_cache()
+    if "host" not in args.placements:
+        return
     packed = random_packed(max(args.host_gib, args.dense_host_gib))
     for gib in (args.host_gib, args.dense_host_gib):
         if gib:
@@ -286,6 +290,8 @@ def main() -> None:
                         "(0: none)")
     parser.add_argument("--budget-s", type=float, default=0.1)
     parser.add_argument("--quick", action="store_true", help="3 sizes")
+    parser.add_argument("--placements", nargs="+", default=["hbm", "peer", "host"],
+                        choices=["hbm", "peer", "host"])
     add_results_argument(parser, "model_lookup")
     args = parser.parse_args()
     result = run(args)

@@ -22,8 +22,11 @@ Also records the machine's NUMA nodes and the GPU's PCIe link and host-to-device
    only a boundary sector with a looked-up neighbour. If that is the gap, it shrinks on the
    larger table (real DeepSeek-V4.1-Flash tables are 94 GiB each, 11.7x the benchmark's).
 
+5. Tile rows against lookup density (`--tile-sweep`): the policy's 16- and 128-row sorted
+   launches on the same ordered ids, 65K-1M rows, on each table (packed output).
+
 Usage: python benchmarks/host_gap_study.py --json R.json [--budget-s 0.25]
-       [--host-gib 8 [32]] [--main-only] [--rounds 3]
+       [--host-gib 8 [32]] [--main-only | --tile-sweep] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, fill_random,  # n
                            stats, time_launches)
 
 TOKENS = (10923, 43691, 65536)  # 262K, 1M, 1.57M rows
+SWEEP_TOKENS = (2731, 10923, 21846, 43691)  # 65K, 262K, 524K, 1M rows
 NUM_SETS = 4
 FETCH = (None, 32, 128)  # None: the driver's default
 MAIN = ("vllm_sorted", "patch", "vllm gather (presorted)", "ours gather (blocks)")
@@ -103,6 +107,9 @@ class Study:
         self.rows = rows
         self.patch = TableLookup(HEAD_DIM, table=self.table)
         self.launcher = LookupLauncher(head_dim=HEAD_DIM, table=self.table, fuse_graphs=False)
+        self.by_tiles = {rows: LookupLauncher(head_dim=HEAD_DIM, table=self.table,
+                                              fuse_graphs=False, block_rows=rows)
+                         for rows in (16, 128)}
         self.shift, self.num_blocks = block_shift(rows)
         self._launches = {}
 
@@ -124,27 +131,29 @@ class Study:
                         num_blocks)
         return values, indices
 
-    def gather(self, ids, dst, out) -> None:
-        """Our sorted kernel launch (the policy's, as the patch launches it) on ordered ids."""
+    def gather(self, ids, dst, out, launcher=None) -> None:
+        """A sorted kernel launch (`launcher`'s; default: the policy's, as the patch launches
+        it) on ordered ids."""
+        launcher = launcher or self.launcher
         num_rows = ids.numel()
-        launch = self._launch(out, num_rows)
+        launch = self._launch(launcher, out, num_rows)
         names = list(_PARAMS)[_RUNTIME_ARGS:]
         num_programs = min(-(-num_rows // launch.block_rows), launch.max_programs)
         _engram_lookup_kernel[(num_programs,)](
-            self.launcher.src, ids, dst, out, num_rows, self.launcher.rows_per_rank,
+            launcher.src, ids, dst, out, num_rows, launcher.rows_per_rank,
             num_programs, 0, **dict(zip(names, launch.constexprs)), num_warps=launch.num_warps)
 
-    def _launch(self, out, num_rows):
+    def _launch(self, launcher, out, num_rows):
         """The launcher's prepared sorted launch for this output and size (made once)."""
-        key = (out.dtype, num_rows)
+        key = (id(launcher), out.dtype, num_rows)
         if key not in self._launches:
             probe = torch.zeros(num_rows // NUM_COLS, NUM_COLS, dtype=torch.int32,
                                 device="cuda:0")
-            self.launcher(probe, out)
-            large_min, large_max = self.launcher._large_rows  # the launcher's entry key
+            launcher(probe, out)
+            large_min, large_max = launcher._large_rows  # the launcher's entry key
             entry = (large_min <= num_rows < large_max, True, out.dtype, torch.int32, 0,
                      probe.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
-            self._launches[key] = self.launcher._launches[entry]
+            self._launches[key] = launcher._launches[entry]
         return self._launches[key]
 
     def vllm_gather(self, ids, dst, out) -> None:
@@ -223,7 +232,31 @@ def run(args) -> dict:
     return found
 
 
+def tile_sweep(study: Study, gib: int, args, found: dict) -> None:
+    """vLLM's sorted launch, the patch path (the policy) and the 16- and 128-row launches on
+    ids ordered before, packed output."""
+    for tokens in SWEEP_TOKENS:
+        sets = study.id_sets(tokens)
+        blocks = [study.order(h) for h in sets]
+        out = torch.empty(tokens, NUM_COLS, ROW_BYTES, dtype=torch.uint8, device="cuda:0")
+        fns = {"vllm_sorted": lambda i: study.vllm.lookup(sets[i % NUM_SETS], out, sort=True),
+               "patch": lambda i: study.patch(sets[i % NUM_SETS], out)}
+        for rows, launcher in study.by_tiles.items():
+            fns[f"ours gather ({rows}-row tiles)"] = (
+                lambda i, launcher=launcher: study.gather(*blocks[i % NUM_SETS], out, launcher))
+        equal = check_equal(fns, out)
+        for _ in range(FUSE_AT + 1):
+            for i in range(NUM_SETS):
+                fns["patch"](i)
+        found["cases"].append({"table_gib": gib, "rows": tokens * NUM_COLS, "out": "packed",
+                               "bitwise": equal, "share_pct": 100 * tokens * NUM_COLS / study.rows,
+                               **timed_rounds(fns, args.budget_s, args.rounds)})
+        print(json.dumps(found["cases"][-1]), flush=True)
+
+
 def run_table(study: Study, gib: int, args, found: dict) -> None:
+    if args.tile_sweep:
+        return tile_sweep(study, gib, args, found)
     default_fetch = found["l2_fetch_default"]
     for tokens in TOKENS[1:] if args.main_only else TOKENS:
         sets = study.id_sets(tokens)
@@ -287,6 +320,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--main-only", action="store_true",
                         help="1M and 1.57M rows, the four callables of MAIN, no fetch sweep")
+    parser.add_argument("--tile-sweep", action="store_true",
+                        help="16- against 128-row tiles, 65K-1M rows, packed")
     args = parser.parse_args()
     result = run(args)
     Path(args.json).write_text(json.dumps(result, indent=1))

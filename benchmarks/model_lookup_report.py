@@ -59,8 +59,8 @@ def check_targets(cases: list[dict], host_us: dict) -> list[dict]:
              passed=slowest["vllm_ms"] / slowest["patch_ms"] >= 1.0,
              worst=_label(slowest), value=round(slowest["vllm_ms"] / slowest["patch_ms"], 3)),
         dict(target="HBM >= 1M rows, gpu + eager: patch within 3% of the kernel alone",
-             passed=worst_hbm is not None
-             and worst_hbm["patch_ms"] <= PATCH_OVER_KERNEL_MAX * worst_hbm["kernel_ms"],
+             passed=None if worst_hbm is None  # not run (--placements without hbm)
+             else worst_hbm["patch_ms"] <= PATCH_OVER_KERNEL_MAX * worst_hbm["kernel_ms"],
              worst=_label(worst_hbm) if worst_hbm else None,
              value=round(worst_hbm["patch_ms"] / worst_hbm["kernel_ms"], 3) if worst_hbm
              else None),
@@ -100,7 +100,8 @@ def finish(cases: list[dict], host: list[dict], args) -> dict:
                if any(name in h for h in host)}
     return dict(cases=cases, host_us=host_us, host_us_cases=host,
                 targets=check_targets(cases, host_us), dense_host=dense_worst(cases),
-                **environment(gpu=True), hbm_gib=args.hbm_gib, host_gib=args.host_gib,
+                **environment(gpu=True), placements=args.placements,
+                hbm_gib=args.hbm_gib, host_gib=args.host_gib,
                 dense_host_gib=args.dense_host_gib, budget_s=args.budget_s)
 
 
@@ -113,7 +114,10 @@ def markdown(result: dict) -> str:
                 else "") + "; 24 columns per token, "
              "uniform random ids. Medians in ms; `x` = vLLM / patch. Host tables: vLLM = "
              "faster of unsorted / sorted (both in the JSON). gpu = device events, launches "
-             "queued; eager = one call + sync (host clock); graph = CUDA-graph replay + sync.",
+             "queued; eager = one call + sync (host clock); graph = CUDA-graph replay + sync."
+             + (f" Placements in this run: {', '.join(result['placements'])}."
+                if result.get("placements", ["hbm", "peer", "host"]) != ["hbm", "peer", "host"]
+                else ""),
              "", "| placement | out | rows | mode | vLLM 0.33 | kernel alone | patch | x | "
              "patch / kernel | bitwise = vLLM |", "| --- | --- | ---: | --- | ---: | ---: | "
              "---: | ---: | ---: | --- |"]
@@ -140,13 +144,17 @@ def markdown(result: dict) -> str:
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         worst = f" (worst: {t['worst']})" if t["worst"] else ""
-        lines.append(f"- {'PASS' if t['passed'] else 'FAIL'}: {t['target']}: {t['value']}{worst}")
+        lines.append(f"- {_verdict(t)}: {t['target']}: {t['value']}{worst}")
     dense = result.get("dense_host")
     if dense:
         lines.append(f"- Beside the targets, the dense host table: vLLM / patch >= 1 in "
                      f"{dense['cases'] - dense['cases_below_1']} of {dense['cases']} cases; "
                      f"worst {dense['value']} ({dense['worst']})")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(target: dict) -> str:
+    return {True: "PASS", False: "FAIL", None: "NOT RUN"}[target["passed"]]
 
 
 def _host_cell(h: dict, name: str) -> str:
@@ -184,7 +192,7 @@ def _spread_lines(cases: list[dict]) -> list[str]:
 
 def summary(result: dict) -> str:
     text = [f"host_us {json.dumps({k: round(v, 1) for k, v in result['host_us'].items()})}"]
-    text += [f"{'PASS' if t['passed'] else 'FAIL'} {t['target']}: {t['value']} {t['worst'] or ''}"
+    text += [f"{_verdict(t)} {t['target']}: {t['value']} {t['worst'] or ''}"
              for t in result["targets"]]
     if result.get("dense_host"):
         text.append(f"dense host table (not a target): {json.dumps(result['dense_host'])}")

@@ -29,8 +29,9 @@ from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel 
 from engram_ray.kernels.lookup_launch import (_HOST_POINTERS_OK,  # noqa: F401  (re-exported)
                                               LookupLauncher, check_table, table_placement)
 from engram_ray.kernels.lookup_policy import (  # noqa: F401  (re-exported: the policy API)
-    MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, SPLIT_HEAD_DIM, TILE_CONFIGS, TILE_POLICY,
-    TileConfig, choose_block_rows, large_block_rows, split_words, tile_config)
+    LARGE_TILE_MIN_SHARE, MAX_TILE_BYTES, NEVER, PLACEMENTS, SORT_MIN_ROWS, SPLIT_HEAD_DIM,
+    TILE_CONFIGS, TILE_POLICY, TileConfig, choose_block_rows, large_block_rows,
+    large_tile_window, split_words, tile_config)
 from engram_ray.model.reference import row_bytes_for
 
 OUTPUTS = {"packed": torch.uint8, "bf16": torch.bfloat16}

@@ -33,8 +33,8 @@ import torch
 
 from engram_ray.kernels.lookup_kernel import SCALE_WORDS, _engram_lookup_kernel
 from engram_ray.kernels.lookup_order import GraphSort, call_key
-from engram_ray.kernels.lookup_policy import (ORDER_BY, SORT_MIN_ROWS, TILE_POLICY,
-                                              choose_block_rows, split_words, tile_config)
+from engram_ray.kernels.lookup_policy import (ORDER_BY, SORT_MIN_ROWS, choose_block_rows,
+                                              large_tile_window, split_words, tile_config)
 from engram_ray.model.reference import row_bytes_for
 from engram_ray.tables.backends.host_memory import is_huge_page_backed
 
@@ -168,7 +168,9 @@ class LookupLauncher:
         self._options = dict(block_rows=block_rows, programs_per_sm=programs_per_sm,
                              num_warps=num_warps, prefetch=prefetch, sort_rows=sort_rows)
         self._num_sms = _num_sms(self.device)
-        self._large_rows = TILE_POLICY[self.placement]
+        self._table_rows = (self.table.shape[0] if self.table is not None
+                            else self.rows_per_rank * self.peer_bases.numel())
+        self._large_rows = large_tile_window(self.placement, self._table_rows)
         self._sort_min_rows = SORT_MIN_ROWS[self.placement]
         self._launches: dict[tuple, _Launch] = {}
         self._hooks = _launch_hooks()
@@ -176,9 +178,7 @@ class LookupLauncher:
         self._stream = self._current_device = self._graph_sort = None
         self._fused = {}  # the sorter's fused graphs by call key (empty: no sorted lookups)
         if self.device.type == "cuda":
-            table_rows = (self.table.shape[0] if self.table is not None
-                          else self.rows_per_rank * self.peer_bases.numel())
-            self._graph_sort = GraphSort(order or ORDER_BY[self.placement], table_rows)
+            self._graph_sort = GraphSort(order or ORDER_BY[self.placement], self._table_rows)
             if fuse_graphs:
                 self._fused = self._graph_sort.fused
             from triton.runtime import driver
@@ -303,7 +303,7 @@ class LookupLauncher:
         opts = self._options
         out_kind = OUT_DTYPES[out_dtype]
         block_rows = opts["block_rows"] or choose_block_rows(num_rows, self.row_bytes,
-                                                             self.placement)
+                                                             self.placement, self._table_rows)
         config = tile_config(self.placement, block_rows)
         prefetch = config.prefetch if opts["prefetch"] is None else opts["prefetch"]
         sort = is_sorted if opts["sort_rows"] is None else opts["sort_rows"]

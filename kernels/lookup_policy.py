@@ -4,6 +4,7 @@ warps, prefetch and id sorting per table placement, as measured. Pure Python, no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 PLACEMENTS = ("hbm", "host", "host_thp", "peer")
@@ -79,8 +80,18 @@ TILE_CONFIGS = {
 # rows that never cross a 4 KiB page, vLLM's split values + scales layout nor rows padded to
 # 288 bytes (sector-aligned values: 2-9% slower from 262K rows) were a launch worth keeping
 # (docs/lookup_experiments.md), so host tables are packed rows like the others.
+# (All of that on an 8 GiB table; for larger tables see LARGE_TILE_MIN_SHARE.)
 TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, NEVER),
                "host_thp": (262152, NEVER)}
+# Host tables: 128-row tiles only from this share of the table's rows looked up at once, too
+# (`large_tile_window`). Sorted reads of a lookup are table rows / lookup rows apart; the
+# sparser they are, the more each row needs a translation of its own, and the fewer rows in
+# flight win. Measured on one H200 (2026-12-02, benchmarks/results/host_gap/, 8 and 32 GiB
+# tables): 128-row tiles won at 0.8% of the rows (262K of 8 GiB, 1M of 32 GiB: 1.12-1.18x
+# vLLM's sorted launch there) and lost at 0.2% (65K of 8 GiB; 262K of 32 GiB, 0.92x vLLM's
+# sorted launch): 1/128 keeps the 8 GiB table's 262K threshold and moves a 32 GiB table's to
+# 1M rows (a 94 GiB DeepSeek-V4.1-Flash table's: 3M).
+LARGE_TILE_MIN_SHARE = {"host": 1 / 128, "host_thp": 1 / 128}
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
 # share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
 SORT_MIN_ROWS = {"hbm": NEVER, "peer": NEVER, "host": 32784, "host_thp": 32784}
@@ -112,12 +123,23 @@ def large_block_rows(row_bytes: int) -> int:
     return rows
 
 
-def choose_block_rows(num_rows_looked_up: int, row_bytes: int, placement: str) -> int:
-    """Tile rows for a lookup: large tiles inside the placement's measured [min, max) rows,
-    16-row tiles elsewhere."""
+def large_tile_window(placement: str, table_rows: int = 0) -> tuple[int, int]:
+    """[min, max) rows looked up at once that get large tiles, for a table of `table_rows`
+    rows (0: unknown, TILE_POLICY's window alone)."""
     if placement not in TILE_POLICY:
         raise ValueError(f"placement is {placement!r}; expected one of {PLACEMENTS}")
     min_rows, max_rows = TILE_POLICY[placement]
+    share = LARGE_TILE_MIN_SHARE.get(placement)
+    if share is not None:
+        min_rows = max(min_rows, math.ceil(share * table_rows))
+    return min_rows, max_rows
+
+
+def choose_block_rows(num_rows_looked_up: int, row_bytes: int, placement: str,
+                      table_rows: int = 0) -> int:
+    """Tile rows for a lookup: large tiles inside the placement's measured window
+    (`large_tile_window`), 16-row tiles elsewhere."""
+    min_rows, max_rows = large_tile_window(placement, table_rows)
     if min_rows <= num_rows_looked_up < max_rows:
         return large_block_rows(row_bytes)
     return 16

@@ -4,7 +4,8 @@ import pytest
 
 from engram_ray.kernels.lookup_policy import (NEVER, PLACEMENTS, SORT_MIN_ROWS, TILE_CONFIGS,
                                               TILE_POLICY, TileConfig, choose_block_rows,
-                                              large_block_rows, split_words, tile_config)
+                                              large_block_rows, large_tile_window, split_words,
+                                              tile_config)
 
 ROW_BYTES = 264
 
@@ -69,3 +70,17 @@ def test_split_words_of_a_launch():
     assert (split_words(peer, 256, "packed"), split_words(peer, 256, "bf16")) == (16, 16)
     assert split_words(peer, 128, "packed") == 0 and split_words(peer, 512, "bf16") == 0
     assert split_words(TileConfig(16, 8, 4), 256, "packed") == 0
+
+
+def test_host_large_tiles_start_at_a_share_of_the_table():
+    rows_8gib, rows_32gib = (8 << 30) // ROW_BYTES, (32 << 30) // ROW_BYTES
+    for placement in ("host", "host_thp"):
+        # 8 GiB: the measured 262K threshold is kept (the share is below it)
+        assert large_tile_window(placement, rows_8gib) == TILE_POLICY[placement]
+        assert choose_block_rows(262152, ROW_BYTES, placement, rows_8gib) == 128
+        # 32 GiB: 262K rows are 0.2% of the table: 16-row tiles; 1M rows (0.8%): 128
+        assert choose_block_rows(262152, ROW_BYTES, placement, rows_32gib) == 16
+        assert choose_block_rows(1048584, ROW_BYTES, placement, rows_32gib) == 128
+        assert large_tile_window(placement, rows_32gib)[0] == -(-rows_32gib // 128)
+    for placement in ("hbm", "peer"):  # no share: HBM and NVLink reads are not translation-bound
+        assert large_tile_window(placement, rows_32gib) == TILE_POLICY[placement]
