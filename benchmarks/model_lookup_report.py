@@ -6,7 +6,8 @@ least 1M rows, GPU time and eager: `patch_ms <= 1.03 x kernel_ms`; host time per
 patch path at most 20 us. Cases of the dense host table (`dense`: a table a quarter of the
 size, so each lookup reads 4x the share of its rows) are reported beside the targets, with
 their own worst ratio, not in them: host memory holds tables too large for HBM
-(docs/lookup_experiments.md, "Pinned host tables: lookup density").
+(docs/lookup_experiments.md, "Pinned host tables: ordering or gather, three levers, lookup
+density").
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ TILE_CONFIGS = {
 # Host tables, 128-row tiles from 262K rows: there the sorted reads stream (45 GB/s at 1.57M
 # rows) and 16 programs of 128 rows per SM (8 resident at 8 warps) let the hardware balance
 # the tail; below, the few-rows-in-flight 16-row launch wins (translation-bound). HBM and
-# peer: 16-row tiles at every size. Against vLLM 0.33's sorted launch from pinned host
-# memory: from 1M rows no swept launch reaches it (0.6-1.3% slower); neither huge pages,
+# peer: 16-row tiles at every size. Against vLLM 0.33's sorted launch from an 8 GiB pinned
+# host table: from 1M rows no swept launch reaches it (0.6-1.3% slower); neither huge pages,
 # rows that never cross a 4 KiB page, vLLM's split values + scales layout nor rows padded to
 # 288 bytes (sector-aligned values: 2-9% slower from 262K rows) were a launch worth keeping
 # (docs/lookup_experiments.md), so host tables are packed rows like the others.
@@ -89,8 +89,11 @@ TILE_POLICY = {"hbm": (NEVER, NEVER), "peer": (NEVER, NEVER), "host": (262152, N
 # flight win. Measured on one H200 (2026-12-02, benchmarks/results/host_gap/, 8 and 32 GiB
 # tables): 128-row tiles won at 0.8% of the rows (262K of 8 GiB, 1M of 32 GiB: 1.12-1.18x
 # vLLM's sorted launch there) and lost at 0.2% (65K of 8 GiB; 262K of 32 GiB, 0.92x vLLM's
-# sorted launch): 1/128 keeps the 8 GiB table's 262K threshold and moves a 32 GiB table's to
-# 1M rows (a 94 GiB DeepSeek-V4.1-Flash table's: 3M).
+# sorted launch) and at 0.4% (524K of 32 GiB, by 1.6%): 1/128 keeps the 8 GiB table's 262K
+# threshold and moves a 32 GiB table's to 1M rows (a 94 GiB DeepSeek-V4.1-Flash table's: 3M).
+# That 8 GiB gap itself belongs to dense tables: a 1.57M-row lookup reads 4.8% of its rows, and
+# vLLM's scales of 4 rows share a sector; from a 32 GiB table the patch path is 1.12-1.20x
+# vLLM's sorted launch from 1M rows (docs/lookup_experiments.md).
 LARGE_TILE_MIN_SHARE = {"host": 1 / 128, "host_thp": 1 / 128}
 # Host tables (small pages and THP alike on this machine): sorted ids make consecutive reads
 # share host page translations; 3-4.5x faster from 32K rows, slower below (sort cost).
