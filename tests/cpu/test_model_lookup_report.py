@@ -34,3 +34,19 @@ def test_a_slower_case_of_the_main_tables_fails_the_target():
     targets = report.check_targets(cases, {"patch": 10.0})
     assert not targets[0]["passed"] and targets[0]["worst"] == f"host packed {1 << 21} rows gpu"
     assert report.dense_worst(cases)["cases_below_1"] == 0
+
+
+def test_unsorted_vllm_left_out_of_host_clock_modes():
+    """bench_model_lookup times vLLM's unsorted host launch in GPU time only where it is far
+    slower: vllm_ms is then the sorted launch's in eager and graph modes."""
+    sorted_ = {"median_ms": 9.0, "p99_ms": 9.0}
+    timed = {"gpu": {"vllm": {"median_ms": 80.0, "p99_ms": 80.0}, "vllm_sorted": sorted_,
+                     "kernel": sorted_, "patch": {"median_ms": 8.0, "p99_ms": 8.0}}}
+    for mode in ("eager", "graph"):
+        timed[mode] = {k: v for k, v in timed["gpu"].items() if k != "vllm"}
+    rows = {c["mode"]: c for c in report.case_rows("host", "packed", 1 << 21, timed, True, 32)}
+    assert rows["gpu"]["vllm_unsorted_ms"] == 80.0 and rows["gpu"]["vllm_ms"] == 9.0
+    assert rows["graph"]["vllm_unsorted_ms"] is None and rows["graph"]["vllm_ms"] == 9.0
+    assert "9.0000" in report.markdown(dict(
+        cases=list(rows.values()), host_us_cases=[], targets=[], device="d", date="t",
+        commit="c", torch="2", triton="3", hbm_gib=16, host_gib=32))
