@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,12 +44,12 @@ from engram_ray.tables.lookup import TableLookup  # noqa: E402
 import model_lookup_report as report  # noqa: E402
 import vllm_engram_ref  # noqa: E402
 from common import add_results_argument  # noqa: E402
-from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, _flush_buffer,  # noqa: E402
-                           fill_random, host_us, num_id_sets, spread, stats, time_launches)
+from lookup_timing import (GIB, HEAD_DIM, NUM_COLS, ROW_BYTES, capture,  # noqa: E402
+                           fill_random, host_us, interleaved_wall, num_id_sets, stats,
+                           time_launches)
 
 TOKENS = [64, 683, 2731, 10923, 43691, 65536]  # 1.5K, 16K, 65K, 262K, 1M, 1.57M rows
 NUM_LAYERS = 2
-WALL_MIN_REPS, WALL_MAX_REPS = 30, 400  # eager and graph samples per callable
 AA_MAX_ROWS = 16_392  # up to here vLLM is also timed against itself (eager, graph)
 SLOW_BASELINE = 1.5  # time_modes: a vLLM launch this much slower than its other one (GPU time)
 WIDTH = {"packed": ROW_BYTES, "bf16": HEAD_DIM}
@@ -172,56 +171,6 @@ def time_modes(fns, id_sets, out, budget_s: float) -> dict:
     found["eager"] = interleaved_wall(eager, budget_s)
     found["graph"] = interleaved_wall(replay, budget_s)
     return found
-
-
-def interleaved_wall(calls: dict, budget_s: float) -> dict:
-    """{name: stats + p10/p90} of host-clock times (sync, call, sync; L2 flushed before),
-    the callables taking turns sample by sample. `calls[name](j)` reads id set j (mod the
-    number of sets)."""
-    flush = _flush_buffer()
-    for fn in calls.values():
-        for i in range(3):
-            fn(i)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for fn in calls.values():
-        fn(0)
-    torch.cuda.synchronize()
-    per_turn = time.perf_counter() - start
-    reps = int(max(WALL_MIN_REPS, min(WALL_MAX_REPS, budget_s * len(calls) / per_turn)))
-    names = list(calls)
-    samples = {name: [] for name in names}
-    for i in range(reps):
-        for k in range(len(names)):
-            name = names[(i + k) % len(names)]
-            flush.zero_()
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            # each callable its own id set: a set comes round again only after as many
-            # calls as there are sets (no callable reads rows, or host page translations,
-            # another has just warmed)
-            calls[name](i * len(names) + k)
-            torch.cuda.synchronize()
-            samples[name].append(1e3 * (time.perf_counter() - begin))
-    return {name: spread(times) for name, times in samples.items()}
-
-
-def capture(fn, id_sets, out) -> list:
-    """One CUDA graph per id set (a graph's ids are fixed), warmed up on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for hashes in id_sets[:2]:
-            fn(hashes, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for hashes in id_sets:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(hashes, out)
-        graphs.append(graph)
-    torch.cuda.synchronize()
-    return graphs
 
 
 def random_packed(gib: int) -> torch.Tensor:

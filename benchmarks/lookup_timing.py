@@ -20,6 +20,7 @@ from engram_ray.tables.backends.host_memory import allocate_host_table
 HEAD_DIM, ROW_BYTES, NUM_COLS = 256, 264, 24
 GIB = 1 << 30
 _FLUSH: list[torch.Tensor] = []
+WALL_MIN_REPS, WALL_MAX_REPS = 30, 400  # eager and graph samples per callable
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -97,6 +98,56 @@ def host_us(fns: dict, id_sets: list, out, *, warm_passes: int = 1, rounds: int 
     found["first_call"] = {name: statistics.median(us) for name, us in first.items()}
     found["rounds_not_held"] = int(not_held)
     return found
+
+
+def interleaved_wall(calls: dict, budget_s: float) -> dict:
+    """{name: stats + p10/p90} of host-clock times (sync, call, sync; L2 flushed before),
+    the callables taking turns sample by sample. `calls[name](j)` reads id set j (mod the
+    number of sets)."""
+    flush = _flush_buffer()
+    for fn in calls.values():
+        for i in range(3):
+            fn(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for fn in calls.values():
+        fn(0)
+    torch.cuda.synchronize()
+    per_turn = time.perf_counter() - start
+    reps = int(max(WALL_MIN_REPS, min(WALL_MAX_REPS, budget_s * len(calls) / per_turn)))
+    names = list(calls)
+    samples = {name: [] for name in names}
+    for i in range(reps):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            flush.zero_()
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            # each callable its own id set: a set comes round again only after as many
+            # calls as there are sets (no callable reads rows, or host page translations,
+            # another has just warmed)
+            calls[name](i * len(names) + k)
+            torch.cuda.synchronize()
+            samples[name].append(1e3 * (time.perf_counter() - begin))
+    return {name: spread(times) for name, times in samples.items()}
+
+
+def capture(fn, id_sets, out) -> list:
+    """One CUDA graph per id set (a graph's ids are fixed), warmed up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for hashes in id_sets[:2]:
+            fn(hashes, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs = []
+    for hashes in id_sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(hashes, out)
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    return graphs
 
 
 @contextlib.contextmanager
