@@ -181,22 +181,22 @@ def random_packed(gib: int) -> torch.Tensor:
 
 
 def tables(args):
-    """(placement, table GiB, packed rows on the GPU) of each case in turn: HBM and peer
+    """(placement, table GiB, dense, packed rows on the GPU) of each case in turn: HBM and peer
     from one `hbm_gib` table, then pinned host tables of `host_gib` and (`dense_host_gib`)
     from a second (the first freed: only one source lives on the GPU at a time)."""
     if {"hbm", "peer"} & set(args.placements):
         packed = random_packed(args.hbm_gib)
         for placement in ("hbm", "peer"):
             if placement in args.placements:
-                yield placement, args.hbm_gib, packed
+                yield placement, args.hbm_gib, False, packed
         del packed
         torch.cuda.empty_cache()
     if "host" not in args.placements:
         return
     packed = random_packed(max(args.host_gib, args.dense_host_gib))
-    for gib in (args.host_gib, args.dense_host_gib):
+    for gib, dense in ((args.host_gib, False), (args.dense_host_gib, True)):
         if gib:
-            yield "host", gib, packed[:gib * GIB // ROW_BYTES]
+            yield "host", gib, dense, packed[:gib * GIB // ROW_BYTES]
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # its pinned copies freed
 
 
@@ -206,9 +206,8 @@ def run(args) -> dict:
     kernel = vllm_engram_ref.load_kernel()
     tokens = TOKENS[:3:2] + TOKENS[-1:] if args.quick else TOKENS
     cases, host = [], []
-    for placement, table_gib, source in tables(args):
+    for placement, table_gib, dense, source in tables(args):
         case = Case(placement, source, kernel, num_sms)
-        dense = placement == "host" and table_gib != args.host_gib
         for out_kind in ("bf16", "packed"):
             for num_tokens in tokens:
                 id_sets = case.ids_for(case.id_sets(num_tokens, seed=num_tokens))
@@ -250,6 +249,9 @@ def main() -> None:
                         choices=["hbm", "peer", "host"])
     add_results_argument(parser, "model_lookup")
     args = parser.parse_args()
+    if args.host_gib < 1 or args.dense_host_gib < 0:
+        parser.error(f"--host-gib {args.host_gib} / --dense-host-gib {args.dense_host_gib}: "
+                     "expected >= 1 / >= 0 (0: no dense table)")
     result = run(args)
     Path(args.json).write_text(json.dumps(result, indent=1))
     Path(args.md).write_text(report.markdown(result))
