@@ -138,9 +138,6 @@ def run_table(pinned, packed_gpu, gib, kernel, num_sms, args, found) -> None:
                   f"{timed['patch']['ms']:.3f} ({base / timed['patch']['ms']:.3f}x) best {best} "
                   f"{timed[best]['ms']:.3f} ({base / timed[best]['ms']:.3f}x) bitwise "
                   f"{all(equal.values())}", flush=True)
-    del vllm, launchers, patch
-    torch.cuda.empty_cache()
-    getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 def main() -> None:
@@ -160,6 +157,8 @@ def main() -> None:
     pinned.copy_(packed_gpu)
     for gib in args.host_gib:
         run_table(pinned, packed_gpu, gib, kernel, num_sms, args, found)
+        torch.cuda.empty_cache()  # vLLM's copy of this table freed
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
         Path(args.json).write_text(json.dumps(found, indent=1))
 
 
