@@ -20,7 +20,8 @@ class TileConfig:
     rows_per_rank x P < 2^31; else 64-bit) and where each 264-byte row's loads are cut:
     `split_bytes` 0 = one values load + one scale-word load, 32 / 128 = two loads cut at the
     row's first 32-byte sector / 128-byte line boundary (no sector / no line asked for twice;
-    other row widths ignore it); `split_bf16` False keeps bf16 output's loads uncut."""
+    other row widths ignore it); `split_bf16` / `split_packed` False keeps bf16 / packed
+    output's loads uncut."""
 
     block_rows: int
     programs_per_sm: int
@@ -29,6 +30,7 @@ class TileConfig:
     rows_32: bool = False
     split_bytes: int = 0
     split_bf16: bool = True
+    split_packed: bool = True
 
     def __post_init__(self):
         if self.block_rows & (self.block_rows - 1) or not 1 <= self.block_rows <= 512:
@@ -60,14 +62,17 @@ class TileConfig:
 # the requests save), so bf16 loads stay whole.
 # Small-page host tables, sorted 65K-row lookups: bound by the GPU's translation of system
 # memory addresses (11 of the 55 GB/s host-to-device ceiling), so fewer rows in flight touch
-# fewer pages at once: one 16-row program per SM with 2 warps, prefetch, loads uncut.
+# fewer pages at once: one 16-row program per SM with 2 warps, prefetch. Its bf16 loads are cut
+# at the line, packed loads whole (sorted 65K-262K rows from 8, 16 and 32 GiB tables,
+# 2026-12-02, benchmarks/results/host_tiles/: bf16 3-11% faster cut; packed 5% slower cut at
+# 65K rows of 8 GiB, within 1-4% either way elsewhere).
 NEVER = 1 << 62
 TILE_CONFIGS = {
     "hbm": {16: TileConfig(16, 8, 4, split_bytes=32, split_bf16=False),
             128: TileConfig(128, 1, 8, prefetch=True)},
     "peer": {16: TileConfig(16, 16, 4, rows_32=True, split_bytes=128),
              128: TileConfig(128, 1, 8, True, rows_32=True)},
-    "host": {16: TileConfig(16, 1, 2, True),
+    "host": {16: TileConfig(16, 1, 2, True, split_bytes=128, split_packed=False),
              128: TileConfig(128, 16, 8, True, split_bytes=128)},
     "host_thp": {16: TileConfig(16, 4, 4, True, split_bytes=128),
                  128: TileConfig(128, 1, 8, True, split_bytes=128)},
@@ -112,8 +117,9 @@ MAX_TILE_BYTES = 128 * 264
 def split_words(config: TileConfig, head_dim: int, out: str) -> int:
     """The kernel's SPLIT_WORDS for a launch: 8-byte words up to the boundary each row's loads
     are cut at (4 = sector, 16 = line; 0 = not cut). Only 264-byte rows (head_dim 256) are
-    cut, and bf16 output only where `config.split_bf16`."""
-    if head_dim != SPLIT_HEAD_DIM or (out == "bf16" and not config.split_bf16):
+    cut, and bf16 / packed output only where `config.split_bf16` / `config.split_packed`."""
+    if head_dim != SPLIT_HEAD_DIM or not (config.split_bf16 if out == "bf16"
+                                          else config.split_packed):
         return 0
     return config.split_bytes // 8
 

@@ -48,15 +48,17 @@ def test_tile_config_defaults_and_validation():
 def test_split_loads_are_sector_or_line_and_validated():
     """Cut row loads (TileConfig.split_bytes): 0, a 32-byte sector or a 128-byte line; the
     committed launches cut them where measured faster (peer and host: line; HBM packed: sector,
-    bf16 output whole; small-page host 16-row tiles: whole)."""
+    bf16 output whole; small-page host 16-row tiles: bf16 output at the line, packed whole)."""
     assert TileConfig(16, 8, 4).split_bytes == 0
     assert TILE_CONFIGS["peer"][16].split_bytes == 128
     assert TILE_CONFIGS["hbm"][16].split_bytes == 32 and not TILE_CONFIGS["hbm"][16].split_bf16
     assert {c.split_bytes for c in TILE_CONFIGS["host_thp"].values()} == {128}
-    # small-page host tables: 128-row tiles cut at the line; 16-row tiles (sorted 65K-row
-    # lookups, translation-bound) uncut (measured against vLLM 0.33, kernels/lookup_policy.py)
-    assert (TILE_CONFIGS["host"][16].split_bytes, TILE_CONFIGS["host"][128].split_bytes) == (
-        0, 128)
+    # small-page host tables: 128-row tiles cut at the line; 16-row tiles (sorted 65K-262K-row
+    # lookups, translation-bound) cut bf16 output only (measured against vLLM 0.33,
+    # kernels/lookup_policy.py)
+    host16, host128 = TILE_CONFIGS["host"][16], TILE_CONFIGS["host"][128]
+    assert (host16.split_bytes, host128.split_bytes) == (128, 128)
+    assert (host16.split_bf16, host16.split_packed) == (True, False) and host128.split_packed
     with pytest.raises(ValueError, match=r"split_bytes is 64; expected one of \(0, 32, 128\)"):
         TileConfig(16, 8, 4, split_bytes=64)
 
@@ -70,6 +72,8 @@ def test_split_words_of_a_launch():
     assert (split_words(peer, 256, "packed"), split_words(peer, 256, "bf16")) == (16, 16)
     assert split_words(peer, 128, "packed") == 0 and split_words(peer, 512, "bf16") == 0
     assert split_words(TileConfig(16, 8, 4), 256, "packed") == 0
+    host = TILE_CONFIGS["host"][16]
+    assert (split_words(host, 256, "packed"), split_words(host, 256, "bf16")) == (0, 16)
 
 
 def test_host_large_tiles_start_at_a_share_of_the_table():
