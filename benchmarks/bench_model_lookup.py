@@ -17,8 +17,9 @@ Outputs are checked bitwise against vLLM's (ids with -1 entries) in the same run
 Tables: HBM and peer slices from one 16 GiB table (HBM lookups do not depend on the table's
 size); pinned host tables of 32 GiB (the targets': host memory holds tables too large for HBM,
 DeepSeek-V4.1-Flash's are 94 GiB each; two copies, ours and vLLM's, fit the machine's 128 GiB)
-and of 8 GiB (`dense`, reported beside the targets: a lookup reads 4x the share of its rows,
-where vLLM's shared scale sectors help it most; docs/lookup_experiments.md).
+and of 16 GiB (`dense`, the size of #17's own measurement, reported beside the targets: a
+lookup reads twice the share of its rows, and from 2.4% of a table's rows no launch of ours
+reached vLLM's sorted one; docs/lookup_experiments.md).
 
 Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick] [--results DIR]
 (latest.md and a history.jsonl line go to benchmarks/results/model_lookup/ unless --results
@@ -240,7 +241,7 @@ def main() -> None:
     parser.add_argument("--host-gib", type=int, default=32,
                         help="pinned host table (the targets' host cases; two copies: ours, "
                         "vLLM's)")
-    parser.add_argument("--dense-host-gib", type=int, default=8,
+    parser.add_argument("--dense-host-gib", type=int, default=16,
                         help="a second, smaller host table, reported beside the targets "
                         "(0: none)")
     parser.add_argument("--budget-s", type=float, default=0.1)

@@ -7,7 +7,7 @@
 # kernel's tests (no regression; skip: TESTS=0) and benchmarks/bench_model_lookup.py. Lands in
 # $OUT: env.txt pytest.log bench.{log,json,md} and model_lookup/latest.md +
 # model_lookup/history.jsonl (copy both over benchmarks/results/model_lookup/).
-# The whole run took 516 s at fdd6b8d (32 + 8 GiB host tables); `--placements host` or
+# The whole run took 330 s at 63637e3 (32 + 8 GiB host tables); `--placements host` or
 # `--placements hbm peer` split it over two calls.
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_model_lookup.sh [--quick] [--placements ...]
 set -uo pipefail
