@@ -225,7 +225,7 @@ def run(args) -> dict:
                             head_dim=HEAD_DIM, fuse_graphs=False, **case.source)
                     kept = {k: f for k, f in fns.items() if k not in timed["left_out"]}
                     host.append(dict(placement=placement, out=out_kind, table_gib=table_gib,
-                                     rows=num_tokens * NUM_COLS,
+                                     dense=dense, rows=num_tokens * NUM_COLS,
                                      **host_us(kept, id_sets, out, warm_passes=FUSE_AT)))
                 print(json.dumps(cases[-1]), flush=True)
         del case, source

@@ -50,3 +50,14 @@ def test_unsorted_vllm_left_out_of_host_clock_modes():
     assert "9.0000" in report.markdown(dict(
         cases=list(rows.values()), host_us_cases=[], targets=[], device="d", date="t",
         commit="c", torch="2", triton="3", hbm_gib=16, host_gib=32))
+
+
+def test_host_times_name_the_dense_table():
+    """The host-time table tells the two host tables apart (both are placement "host")."""
+    host = [dict(placement="host", out="packed", rows=1536, table_gib=gib, dense=dense,
+                 vllm=30.0, patch=12.0) for gib, dense in ((32, False), (16, True))]
+    text = report.markdown(dict(cases=[], host_us_cases=host, targets=[], device="d", date="t",
+                                commit="c", torch="2", triton="3", hbm_gib=16, host_gib=32,
+                                dense_host_gib=16))
+    assert "| host | packed | 1,536 | 30.0 | - | 12.0 | - |" in text
+    assert "| host 16 GiB (dense) | packed | 1,536 | 30.0 | - | 12.0 | - |" in text
