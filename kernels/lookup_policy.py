@@ -64,8 +64,8 @@ class TileConfig:
 # memory addresses (11 of the 55 GB/s host-to-device ceiling), so fewer rows in flight touch
 # fewer pages at once: one 16-row program per SM with 2 warps, prefetch. Its bf16 loads are cut
 # at the line, packed loads whole (sorted 65K-262K rows from 8, 16 and 32 GiB tables,
-# 2026-12-02, benchmarks/results/host_tiles/: bf16 3-11% faster cut; packed 5% slower cut at
-# 65K rows of 8 GiB, within 1-4% either way elsewhere).
+# 2026-12-02, benchmarks/results/host_tiles/: bf16 2-11% faster cut; packed 0-4% faster
+# cut, but 5% slower at 65K rows of 8 GiB, below vLLM's sorted launch there).
 NEVER = 1 << 62
 TILE_CONFIGS = {
     "hbm": {16: TileConfig(16, 8, 4, split_bytes=32, split_bf16=False),
