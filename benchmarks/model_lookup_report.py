@@ -134,11 +134,11 @@ def markdown(result: dict) -> str:
               "the rounds, their median after the slash where the run kept it; every id set "
               "met before, as vLLM's staging buffers are; `patch, unfused`: the launcher with "
               "no fused graphs, i.e. ids and output at new addresses):", "",
-              "| placement | out | rows | vLLM 0.33 | kernel alone | patch | patch, unfused |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+              "| placement | out | rows | vLLM 0.33 | vLLM 0.33, sorted | kernel alone | patch | "
+              "patch, unfused |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for h in result["host_us_cases"]:
-        cells = " | ".join(_host_cell(h, name) for name in ("vllm", "kernel", "patch",
-                                                             "patch_unfused"))
+        cells = " | ".join(_host_cell(h, name) for name in ("vllm", "vllm_sorted", "kernel",
+                                                             "patch", "patch_unfused"))
         lines.append(f"| {_place(h)} | {h['out']} | {h['rows']:,} | {cells} |")
     if any("rounds_not_held" in h for h in result["host_us_cases"]):
         lost = sum(h.get("rounds_not_held", 0) for h in result["host_us_cases"])
