@@ -135,6 +135,16 @@ class EngineMetrics:
                                 "every restart of the group)", E, registry=r)
         self.healthy = Gauge("engram_group_healthy", "1 while the engine's peer group is "
                              "complete and serving, else 0", E, registry=r)
+        self.reattached = Gauge("engram_slices_reattached", "1 when this engine mapped its "
+                                "table slices from their holders after an engine restart (no "
+                                "checkpoint read, no rendezvous), 0 when it filled them", E,
+                                registry=r)
+        self.reattach_seconds = Gauge("engram_slices_reattach_duration_seconds", "Time this "
+                                      "engine took to map and check every slice from their "
+                                      "holders", E, registry=r)
+        self.engine_restarts = Counter("engram_engine_restarts", "Restarts of this member's "
+                                       "engine inside its replica (same generation, rank and "
+                                       "slice)", E, registry=r)
 
     # --- memory -------------------------------------------------------------------------
     def set_table_plan(self, plan, baseline, layer_ids, host_bytes: int | None = None) -> None:
@@ -203,6 +213,13 @@ class EngineMetrics:
             self.observe_step(time.perf_counter() - start)
 
     # --- group --------------------------------------------------------------------------
+    def set_reattached(self, seconds: float) -> None:
+        self.reattached.labels(**self._labels).set(1)
+        self.reattach_seconds.labels(**self._labels).set(seconds)
+
+    def count_engine_restart(self) -> None:
+        self.engine_restarts.labels(**self._labels).inc()
+
     def set_group(self, generation: int, is_healthy: bool,
                   rendezvous_seconds: float | None = None) -> None:
         self.generation.labels(**self._labels).set(generation)

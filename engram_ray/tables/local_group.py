@@ -5,7 +5,9 @@ Serves the CPU and GPU tests and the benchmarks alike: `run_group` starts one pr
 imported torch once, so a group of 8 starts in a second instead of 8 torch imports), returns
 each member's result or its traceback;
 `check_member` opens the member's tables from the synthetic generator and compares lookups of
-random row ids with the torch reference over the same rows (`torch.equal`).
+random row ids with the torch reference over the same rows (`torch.equal`); `serve_member`
+does so round after round until told to stop, as an engine serving next to peers that die and
+restart (slice holders on: `engram_ray.tables.slice_holder`).
 """
 
 from __future__ import annotations
@@ -35,15 +37,15 @@ class MemberResult:
     seconds: float
 
 
-def _member_main(target, rank, args, env, num_threads, results) -> None:
+def _member_main(target, rank, args, env, num_threads, results, key) -> None:
     start = time.perf_counter()
     os.environ.update(env)
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
-        results.put((rank, True, target(rank, *args), time.perf_counter() - start))
+        results.put((key, rank, True, target(rank, *args), time.perf_counter() - start))
     except BaseException:  # noqa: BLE001 - reported to the parent, which decides
-        results.put((rank, False, traceback.format_exc(), time.perf_counter() - start))
+        results.put((key, rank, False, traceback.format_exc(), time.perf_counter() - start))
 
 
 def run_group(target: Callable, ranks: list[int], args: tuple = (), *,
@@ -56,30 +58,49 @@ def run_group(target: Callable, ranks: list[int], args: tuple = (), *,
     not the caller's current one). `num_threads`: torch CPU threads per member (1: P members
     on a few cores would otherwise spin P x cores OpenMP threads against each other). A
     process that dies without a result (or outlives `timeout_s`) gets `is_ok=False`."""
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", __name__, target.__module__])
-    results = ctx.Queue()
-    procs = {r: ctx.Process(target=_member_main, args=(target, r, args, env or {}, num_threads,
-                                                             results),
-                            daemon=True) for r in ranks}
-    for proc in procs.values():
+    members = Members(target, args, env=env, start_method=start_method,
+                      num_threads=num_threads)
+    for rank in ranks:
+        members.start(rank)
+    return members.collect(timeout_s)
+
+
+class Members:
+    """Member processes started one by one (`start`), their results gathered by `collect`."""
+
+    def __init__(self, target: Callable, args: tuple = (), *, env: dict[str, str] | None = None,
+                 start_method: str = "forkserver", num_threads: int | None = 1):
+        self.target, self.args, self.env, self.num_threads = target, args, env or {}, num_threads
+        self.ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self.ctx.set_forkserver_preload(["torch", __name__, target.__module__])
+        self.results = self.ctx.Queue()
+        self.procs: dict[int, mp.Process] = {}  # key -> process (key: rank, or as given)
+
+    def start(self, rank: int, key: int | None = None):
+        key = rank if key is None else key
+        self.procs[key] = proc = self.ctx.Process(
+            target=_member_main, args=(self.target, rank, self.args, self.env,
+                                       self.num_threads, self.results, key), daemon=True)
         proc.start()
-    found, deadline = {}, time.monotonic() + timeout_s
-    while len(found) < len(procs) and time.monotonic() < deadline:
-        try:
-            rank, is_ok, value, seconds = results.get(timeout=0.2)
-            found[rank] = MemberResult(rank, is_ok, value, seconds)
-        except queue.Empty:
-            if all(not p.is_alive() for r, p in procs.items() if r not in found):
-                break
-    for rank, proc in procs.items():
-        proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        found.setdefault(rank, MemberResult(rank, False, f"exit code {proc.exitcode}", 0.0))
-    return [found[r] for r in sorted(found)]
+        return proc
+
+    def collect(self, timeout_s: float) -> list[MemberResult]:
+        found, deadline = {}, time.monotonic() + timeout_s
+        while len(found) < len(self.procs) and time.monotonic() < deadline:
+            try:
+                key, rank, is_ok, value, seconds = self.results.get(timeout=0.2)
+                found[key] = MemberResult(rank, is_ok, value, seconds)
+            except queue.Empty:
+                if all(not p.is_alive() for k, p in self.procs.items() if k not in found):
+                    break
+        for key, proc in self.procs.items():
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            found.setdefault(key, MemberResult(key, False, f"exit code {proc.exitcode}", 0.0))
+        return [found[k] for k in sorted(found)]
 
 
 def file_barrier(directory: str, name: str, rank: int, ranks: list[int],
@@ -141,5 +162,38 @@ def check_member(rank: int, layout: EngramLayout, size: int, store_dir: str, gen
                             expected_rows(ids, layout.head_dim, seed, out))
                 for out in ("packed", "bf16"))
         return {"stats": tables.stats(), "equal": checks}
+    finally:
+        tables.close()
+
+
+def serve_member(rank: int, layout: EngramLayout, size: int, store_dir: str, generation: str,
+                 control_dir: str, backend: str = "shm", device: str = "cpu", seed: int = 0,
+                 num_tokens: int = 64, timeout_s: float = 30.0) -> dict:
+    """Open this rank's tables with slice holders on (fill and deposit, or re-attach when
+    its holder holds them), touch `<control_dir>/ready-<rank>-<pid>`, then compare lookups of
+    fresh random ids with the reference until `<control_dir>/stop` exists:
+    {"rounds", "equal_rounds", "rounds_after_kill" (those ended after `<control_dir>/killed`
+    appeared), "reattached", "stats"}."""
+    if device == "cuda":
+        torch.cuda.set_device(device := f"cuda:{rank % torch.cuda.device_count()}")
+    settings = PeerGroupSettings(size=size, rank=rank, store_dir=store_dir,
+                                 generation=generation, timeout_s=timeout_s, backend=backend,
+                                 holders=True)
+    tables = open_group_tables(layout, settings, device=device, seed=seed)
+    control = lambda name: os.path.join(control_dir, name)  # noqa: E731
+    open(control(f"ready-{rank}-{os.getpid()}"), "w").close()
+    rounds = equal = after_kill = 0
+    try:
+        while not os.path.exists(control("stop")):
+            layer_id = layout.layer_ids[rounds % len(layout.layer_ids)]
+            ids = random_row_ids(layout.rows_per_table[layout.layer_idx(layer_id)],
+                                 (num_tokens, layout.num_cols), seed + 1000 * rank + rounds,
+                                 device)
+            is_equal = torch.equal(tables.lookup(layer_id, ids, "packed"),
+                                   expected_rows(ids, layout.head_dim, seed, "packed"))
+            rounds, equal = rounds + 1, equal + is_equal
+            after_kill += os.path.exists(control("killed"))
+        return {"rounds": rounds, "equal_rounds": equal, "rounds_after_kill": after_kill,
+                "reattached": tables.reattach_seconds is not None, "stats": tables.stats()}
     finally:
         tables.close()

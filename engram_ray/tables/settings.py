@@ -20,6 +20,10 @@ rank of every deployment in the group. Optional: `timeout_s` (rendezvous wait), 
 use it, and every member of the group must request the same; without it the group picks the
 first type every member can use (FABRIC, then POSIX FDs on one host). `handle_type` names CUDA
 handle types, so it is refused with backend "shm" (whose slices travel as shared-memory files).
+`holders` (the Serve replica sets it): every member's replica runs a slice holder
+(`engram_ray.tables.slice_holder`); the engine hands it its filled slices, and an engine that
+restarts inside its replica maps every member's slices from their holders instead of filling
+its own and meeting the group again.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class PeerGroupSettings:
     backend: str = "shm"        # engram_ray.tables.BACKENDS
     cross_node: bool = False    # the group spans hosts: needs handle_type "fabric"
     handle_type: str | None = None  # cuda backend: "fabric" | "posix_fd", None: group picks
+    holders: bool = False       # slices kept by holders in the replicas (module doc)
 
     def __post_init__(self):
         for name in ("size", "rank"):
@@ -75,6 +80,8 @@ class PeerGroupSettings:
         if self.backend not in BACKENDS:
             raise ConfigError(f"{FIELD}.backend", f"is {self.backend!r}",
                               f"one of {', '.join(BACKENDS)}")
+        if not isinstance(self.holders, bool):
+            raise ConfigError(f"{FIELD}.holders", f"is {self.holders!r}", "true or false")
         check_handle_request(self.handle_type, self.cross_node, FIELD)
         if self.backend == "shm" and self.handle_type is not None:
             raise ConfigError(

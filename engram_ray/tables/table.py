@@ -42,13 +42,16 @@ class EngramTable:
 
     def __init__(self, layer_id: int, num_rows: int, head_dim: int, *, size: int = 1,
                  rank: int = 0, memory: PeerMemory | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", local: torch.Tensor | None = None):
+        """`local`: this rank's slice, mapped already (re-attached from its holder)."""
         self.layer_id, self.num_rows, self.head_dim = layer_id, num_rows, head_dim
         self.row_bytes = row_bytes_for(head_dim)
         self.rows_per_rank = rows_per_rank(num_rows, size)
         self.slice_start, self.slice_end = slice_range(num_rows, size, rank)
         self._memory = memory
-        if memory is None:
+        if local is not None:
+            self.local = local
+        elif memory is None:
             self.local = torch.zeros(self.rows_per_rank, self.row_bytes, dtype=torch.uint8,
                                      device=device)
         else:
@@ -143,6 +146,7 @@ class EngramTables:
         self.rendezvous_seconds = 0.0
         self.rendezvous_started_at = 0.0  # epoch seconds of arrival at the rendezvous
         self.is_joined = settings is None  # whole tables need no rendezvous
+        self.reattach_seconds: float | None = None  # mapped from holders after a restart
         self.memory = memory
         self._loaded: set[int] = set()
 
@@ -168,14 +172,15 @@ class EngramTables:
     def rank(self) -> int:
         return self.settings.rank if self.settings else 0
 
-    def add_table(self, layer_id: int) -> EngramTable:
-        """Allocate this engine's rows of the layer's table (all of them for a whole table)."""
+    def add_table(self, layer_id: int, local: torch.Tensor | None = None) -> EngramTable:
+        """Allocate this engine's rows of the layer's table (all of them for a whole table),
+        or take `local`, this rank's slice mapped from its holder."""
         if layer_id in self.tables:
             raise RuntimeError(f"Engram table of layer {layer_id} was built twice in one engine")
         num_rows = self.layout.rows_per_table[self.layout.layer_idx(layer_id)]
         self.tables[layer_id] = EngramTable(layer_id, num_rows, self.layout.head_dim,
                                             size=self.size, rank=self.rank,
-                                            memory=self.memory, device=self.device)
+                                            memory=self.memory, device=self.device, local=local)
         return self.tables[layer_id]
 
     def layer_of(self, num_embeddings: int, head_sizes: tuple[int, ...]) -> int:
@@ -216,6 +221,14 @@ class EngramTables:
         self.is_joined = True
         if self.metrics is not None:
             self._measure(self.metrics)
+            self.metrics.reattached.labels(**self.metrics.identity.labels()).set(0)
+
+    def mark_reattached(self, seconds: float) -> None:
+        """Every slice was mapped from its holder and checked (`engram_ray.tables.holding`)."""
+        self.reattach_seconds, self.is_joined = seconds, True
+        if self.metrics is not None:
+            self._measure(self.metrics)
+            self.metrics.set_reattached(seconds)
 
     def reader(self, layer_id: int):
         """The layer's `engram_ray.tables.lookup.TableLookup` (for a group: every slice mapped,
@@ -259,6 +272,7 @@ class EngramTables:
                 "rank": self.rank, "size": self.size,
                 "rendezvous_seconds": self.rendezvous_seconds,
                 "rendezvous_started_at": self.rendezvous_started_at,
+                "reattach_seconds": self.reattach_seconds,
                 "tables": [t.stats() for t in self.tables.values()]}
 
     def close(self) -> None:
@@ -273,16 +287,25 @@ def open_group_tables(layout: EngramLayout, settings: PeerGroupSettings, *,
                       device: str = "cpu", fill: str = "synthetic", seed: int = 0,
                       checkpoint: str | None = None, metrics=None) -> EngramTables:
     """Allocate this rank's slice of every Engram table of the model, fill it, and do the ONE
-    rendezvous of the group (blocks until all `size` members arrive or timeout_s passes)."""
+    rendezvous of the group (blocks until all `size` members arrive or timeout_s passes). With
+    `settings.holders` the filled slices go to this member's holder first, and an engine whose
+    holder holds them already (it restarted) maps every member's slices from their holders."""
     if fill not in FILLS:
         raise ConfigError("fill", f"is {fill!r}", f"one of {', '.join(FILLS)}")
     if fill == "checkpoint" and not checkpoint:
         raise ConfigError("checkpoint", "is missing", "a safetensors file or folder for "
                           "fill='checkpoint'")
+    from engram_ray.tables import holding
+
     tables = EngramTables.member(layout, settings, device, metrics)
     try:
+        if settings.holders and holding.holds_slices(settings):  # an engine restarted
+            holding.reattach(tables)
+            return tables
         for layer_id in layout.layer_ids:
             tables.add_table(layer_id).fill(fill, seed, checkpoint)
+        if settings.holders:
+            holding.deposit(tables)
         tables.join()
         return tables
     except BaseException:

@@ -11,6 +11,11 @@ writable) and every peer's slice (mapped from the handle the peer exported). The
     mem.after_rendezvous()                           # every peer has mapped ours
     mem.slices(key) / mem.peer_bases(key)            # what lookups read
     mem.close()                                      # unmap, release; idempotent
+
+A member whose engine may restart also hands each own slice to its holder (`holder_fd`, before
+the rendezvous: `engram_ray.tables.slice_holder`); a restarted engine's fresh backend maps
+every rank's slice, its own included, from the holders' descriptors (`attach`) instead of
+allocating and meeting the group.
 """
 
 from __future__ import annotations
@@ -83,6 +88,16 @@ class PeerMemory(ABC):
     def peer_bases(self, key: int) -> torch.Tensor:
         """`[size]` int64 device addresses of every rank's slice of `key` (device backends)."""
         raise PeerMemoryError(f"the {self.name} backend has no device addresses")
+
+    @abstractmethod
+    def holder_fd(self, key: int) -> int:
+        """A new file descriptor (the caller's to close) that keeps this rank's slice of `key`
+        alive in whichever process holds it."""
+
+    @abstractmethod
+    def attach(self, rank: int, key: int, fd: int, shape: list[int], nbytes: int) -> None:
+        """Map rank `rank`'s slice of `key` (`shape` `[rows, row_bytes]`, `nbytes` mapped) from
+        a holder's descriptor `fd` (the caller closes it)."""
 
     @abstractmethod
     def allocated_bytes(self, key: int) -> int:

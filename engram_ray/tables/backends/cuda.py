@@ -183,6 +183,27 @@ class CudaPeerMemory(PeerMemory):
         return drv.check(cu.cuMemImportFromShareableHandle(fabric, kind),
                          f"FABRIC import of rank {record['rank']}'s slice")
 
+    def holder_fd(self, key: int) -> int:
+        if "posix_fd" not in self.offered:
+            raise PeerMemoryError(
+                f"slice {key} of rank {self.rank} is exported as {list(self.offered)} only: a "
+                "holder keeps a slice through a POSIX-FD export (FABRIC-only groups restart "
+                "their whole gang when an engine dies)")
+        return int(drv.check(drv.driver().cuMemExportToShareableHandle(
+            self._own[key].handle, drv.handle_type_enum("posix_fd"), 0), "export for the holder"))
+
+    def attach(self, rank: int, key: int, fd: int, shape: list[int], nbytes: int) -> None:
+        cu = drv.driver()
+        handle = drv.check(cu.cuMemImportFromShareableHandle(fd, drv.handle_type_enum("posix_fd")),
+                           f"import of rank {rank}'s slice of table {key} from its holder")
+        mapping = self._map(handle, nbytes, 0)
+        self._shapes[key] = tuple(shape)
+        if rank == self.rank:
+            self._own[key] = mapping
+        else:
+            self._peers.setdefault(key, {})[rank] = mapping
+        self._chosen = "posix_fd"
+
     def after_rendezvous(self) -> None:
         for fd in self._exported_fds.values():
             os.close(fd)

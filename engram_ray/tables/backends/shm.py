@@ -99,20 +99,29 @@ class ShmPeerMemory(PeerMemory):
                 self._map_peer(int(key_text), record["rank"], handle)
 
     def _map_peer(self, key: int, rank: int, handle: dict) -> None:
-        num_rows, row_bytes = handle["shape"]
-        nbytes = num_rows * row_bytes
         fd = os.open(handle["path"], os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_size < nbytes:
-                raise PeerMemoryError(
-                    f"rank {rank}'s slice {handle['path']} has owner {st.st_uid} and "
-                    f"{st.st_size} bytes, expected owner {os.getuid()} and {nbytes} bytes")
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            self.attach(rank, key, fd, handle["shape"], handle["shape"][0] * handle["shape"][1])
         finally:
             os.close(fd)
-        self._maps[key][rank] = mm
-        self._tensors[key][rank] = _as_tensor(mm, num_rows, row_bytes)
+
+    def holder_fd(self, key: int) -> int:
+        if key not in self._paths:
+            raise PeerMemoryError(f"slice {key} of rank {self.rank} was unlinked already: hand "
+                                  "it to its holder before the rendezvous ends")
+        return os.open(self._paths[key], os.O_RDWR | os.O_NOFOLLOW)
+
+    def attach(self, rank: int, key: int, fd: int, shape: list[int], nbytes: int) -> None:
+        num_rows, row_bytes = shape
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_size < nbytes:
+            raise PeerMemoryError(
+                f"rank {rank}'s slice of table {key} has owner {st.st_uid} and {st.st_size} "
+                f"bytes, expected owner {os.getuid()} and {nbytes} bytes")
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._maps.setdefault(key, [None] * self.size)[rank] = mm
+        self._tensors.setdefault(key, [None] * self.size)[rank] = _as_tensor(mm, num_rows,
+                                                                             row_bytes)
 
     def after_rendezvous(self) -> None:
         self._unlink()

@@ -1,0 +1,234 @@
+"""Slice holders: what keeps a member's table slices alive while its engine restarts.
+
+A member's slices are made by its engine's model process (an shm file, or `cuMemCreate` on a
+GPU), and that process can die while the member's Serve replica lives on. So once its slices
+are filled, the engine hands the holder in its replica one file descriptor per slice (shm: the
+slice file, opened before the rendezvous unlinks it; cuda: a POSIX-FD export of the
+allocation), with its shape and a digest of sampled rows taken at fill (`sampled_digest`). An
+open descriptor keeps the memory alive with no CUDA context (checked on an H200: DESIGN.md), so
+the replica needs none. A restarted engine asks every member's holder of its generation for
+their descriptors and maps them (`EngramTables.reattach`): no checkpoint read, no rendezvous;
+every slice's digest must match the one kept at fill before the engine serves.
+
+Transport: one Unix socket per member, `<store_dir>/holder-r<rank>.sock`, inside the
+generation's 0700 store folder; descriptors travel as SCM_RIGHTS; a client of another uid is
+refused (SO_PEERCRED). A request is one JSON line, the answer one JSON line with the
+descriptors as ancillary data:
+
+    {"op": "deposit", "generation", "rank", "slices": [SLICE, ...]} + fds  ->  {"ok": true}
+    {"op": "fetch", "generation"}  ->  {"ok": true, "rank", "slices": [SLICE, ...]} + fds
+    SLICE = {"key": layer id, "shape": [rows, row_bytes], "nbytes", "digest", "kind"}
+
+`fetch` from a holder that holds nothing answers `"slices": []` (the engine's first start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+
+from engram_ray.errors import EngramRayError
+
+logger = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_FDS = 253          # SCM_MAX_FD
+DIGEST_ROWS = 4096     # rows sampled per slice by `sampled_digest`
+CLIENT_TIMEOUT_S = 30.0
+
+
+class SliceHolderError(EngramRayError):
+    """A holder could not be started, reached, or gave what was asked."""
+
+
+def holder_path(store_dir: str, rank: int) -> str:
+    """The socket of member `rank`'s holder in its generation's store folder."""
+    return os.path.join(store_dir, f"holder-r{rank}.sock")
+
+
+def sampled_digest(rows) -> str:
+    """blake2b of `DIGEST_ROWS` rows of `rows` `[num_rows, row_bytes]` uint8 (any device),
+    evenly spaced, first and last included, with the shape: cheap on a 23 GiB slice, and a
+    slice mapped from the wrong memory or overwritten since it was filled does not match."""
+    import torch
+
+    num_rows = rows.shape[0]
+    picks = torch.linspace(0, max(0, num_rows - 1), min(num_rows, DIGEST_ROWS),
+                           device=rows.device).long().unique()
+    sample = rows.index_select(0, picks).cpu().contiguous()
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(struct.pack("<qq", *rows.shape))
+    digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode() + b"\n"
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, MAX_FDS)
+    while data and not data.endswith(b"\n"):  # the fds came with the first part
+        more = sock.recv(MAX_MESSAGE_BYTES)
+        if not more:
+            break
+        data += more
+    try:
+        return json.loads(data), list(fds)
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise SliceHolderError(f"a holder message was not JSON ({len(data)} bytes)") from None
+
+
+class SliceHolder:
+    """Member `rank`'s holder (in its Serve replica): a thread serving its socket."""
+
+    def __init__(self, store_dir: str, generation: str, rank: int):
+        self.path, self.generation, self.rank = holder_path(store_dir, rank), generation, rank
+        self.slices: list[dict] = []
+        self.fds: list[int] = []
+        self._lock = threading.Lock()
+        self._check_folder(store_dir)
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._server.bind(self.path)
+        except OSError as exc:
+            self._server.close()
+            raise SliceHolderError(
+                f"slice holder {self.path}: cannot listen ({exc}); another replica holds rank "
+                f"{rank} of generation {generation!r}, or one left its socket: the coordinator "
+                "gives each generation a fresh store folder") from exc
+        os.chmod(self.path, 0o600)
+        self._server.listen(16)
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"engram-slice-holder-r{rank}")
+        self._thread.start()
+
+    @staticmethod
+    def _check_folder(store_dir: str) -> None:
+        st = os.stat(store_dir, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise SliceHolderError(
+                f"slice holder folder {store_dir} must be a directory of this user ({os.getuid()}) "
+                f"with mode 0700, found uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):04o}")
+
+    @property
+    def is_full(self) -> bool:
+        """True once the engine deposited its slices (a restart can re-attach them)."""
+        with self._lock:
+            return bool(self.slices)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                try:
+                    self._answer(conn)
+                except (OSError, SliceHolderError) as exc:
+                    logger.warning("engram-ray slice holder r%d: %s", self.rank, exc)
+
+    def _answer(self, conn: socket.socket) -> None:
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[1]
+        if uid != os.getuid():
+            _send(conn, {"ok": False, "error": f"uid {uid} may not use this holder"})
+            return
+        request, fds = _receive(conn)
+        op = request.get("op")
+        if request.get("generation") != self.generation:
+            _close_all(fds)
+            _send(conn, {"ok": False, "error": f"holder of generation {self.generation!r} "
+                         f"asked for {request.get('generation')!r}"})
+        elif op == "deposit":
+            _send(conn, self._deposit(request, fds))
+        elif op == "fetch":
+            with self._lock:
+                _send(conn, {"ok": True, "rank": self.rank, "slices": self.slices}, self.fds)
+        else:
+            _close_all(fds)
+            _send(conn, {"ok": False, "error": f"unknown op {op!r}"})
+
+    def _deposit(self, request: dict, fds: list[int]) -> dict:
+        slices = request.get("slices") or []
+        with self._lock:
+            error = None
+            if self.slices:
+                error = f"rank {self.rank} deposited its slices twice"
+            elif request.get("rank") != self.rank:
+                error = f"rank {request.get('rank')} deposited at the holder of rank {self.rank}"
+            elif len(slices) != len(fds) or not fds:
+                error = f"{len(slices)} slices came with {len(fds)} descriptors"
+            if error:
+                _close_all(fds)
+                return {"ok": False, "error": error}
+            self.slices, self.fds = list(slices), fds
+        logger.info("engram-ray slice holder r%d holds %d slices (%.1f MiB) of generation %s",
+                    self.rank, len(slices), sum(s["nbytes"] for s in slices) / 2**20,
+                    self.generation)
+        return {"ok": True}
+
+    def close(self) -> None:
+        """Stop serving and drop the descriptors (the memory goes once no engine maps it)."""
+        self._server.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            _close_all(self.fds)
+            self.fds, self.slices = [], []
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _call(path: str, message: dict, fds: list[int] = ()) -> tuple[dict, list[int]]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CLIENT_TIMEOUT_S)
+    try:
+        sock.connect(path)
+        _send(sock, message, fds)
+        answer, got = _receive(sock)
+    except OSError as exc:
+        raise SliceHolderError(f"slice holder {path}: {exc} (its replica is gone, or the "
+                               "generation ended)") from exc
+    finally:
+        sock.close()
+    if not answer.get("ok"):
+        _close_all(got)
+        raise SliceHolderError(f"slice holder {path}: {answer.get('error')}")
+    return answer, got
+
+
+def deposit(path: str, generation: str, rank: int, slices: list[dict], fds: list[int]) -> None:
+    """Hand `fds` (one per slice of `slices`, kept open by the caller's side too) to a holder."""
+    _call(path, {"op": "deposit", "generation": generation, "rank": rank, "slices": slices},
+          fds)
+
+
+def fetch(path: str, generation: str) -> tuple[list[dict], list[int]]:
+    """(slices, their descriptors, now this process's to close) from a holder."""
+    answer, fds = _call(path, {"op": "fetch", "generation": generation})
+    if len(fds) != len(answer["slices"]):
+        _close_all(fds)
+        raise SliceHolderError(f"slice holder {path}: {len(answer['slices'])} slices came "
+                               f"with {len(fds)} descriptors")
+    return answer["slices"], fds

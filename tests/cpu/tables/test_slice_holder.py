@@ -1,0 +1,151 @@
+"""Slice holders on the shm backend, with real processes: a member killed with SIGKILL while its
+peer reads its rows, then restarted, re-attaching every slice from the holders (which run here,
+as in a Serve replica); the peer's reads stay bitwise equal to the reference throughout, and
+nothing is left in the shared-memory folder once the holders close."""
+
+import os
+import signal
+import stat
+import time
+
+import pytest
+import torch
+
+from engram_ray.model.layout import EngramLayout
+from engram_ray.tables.local_group import Members, serve_member
+from engram_ray.tables.settings import PeerGroupSettings
+from engram_ray.tables.slice_holder import (SliceHolder, SliceHolderError, deposit, fetch,
+                                            holder_path, sampled_digest)
+from engram_ray.tables.table import open_group_tables
+
+TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads=2,
+                    head_dim=64, compressed_vocab_size=100, pad_token_id=0)
+GENERATION = "holders-1"
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setenv("ENGRAM_RAY_SHM_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = tmp_path / "store"
+    path.mkdir(mode=0o700)
+    return str(path)
+
+
+def _wait_for(path_prefix: str, folder: str, timeout_s: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [f for f in os.listdir(folder) if f.startswith(path_prefix)]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no {path_prefix}* in {folder} within {timeout_s} s")
+
+
+def test_a_killed_member_restarts_from_the_holders_while_its_peer_reads_on(tmp_path, shm_dir,
+                                                                         store):
+    control = tmp_path / "control"
+    control.mkdir()
+    holders = [SliceHolder(store, GENERATION, rank) for rank in range(2)]
+    assert stat.S_IMODE(os.stat(holders[0].path).st_mode) == 0o600
+    members = Members(serve_member, (TINY, 2, store, GENERATION, str(control)),
+                      env={"ENGRAM_RAY_SHM_DIR": str(shm_dir)})
+    try:
+        victim = members.start(0, key=0)
+        members.start(1, key=1)
+        _wait_for("ready-0-", str(control))
+        _wait_for("ready-1-", str(control))
+        assert all(h.is_full for h in holders)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(30)
+        (control / "killed").touch()
+        for ready in control.glob("ready-0-*"):
+            ready.unlink()
+        assert os.listdir(shm_dir) == []  # unlinked at the rendezvous: held by descriptors
+        time.sleep(1.0)  # rank 1 keeps reading rank 0's rows from the dead process's memory
+        members.start(0, key=2)  # the restarted engine
+        _wait_for("ready-0-", str(control))
+        time.sleep(1.0)
+        (control / "stop").touch()
+        results = members.collect(120)
+    finally:
+        for holder in holders:
+            holder.close()
+    killed, survivor, restarted = results
+    assert not killed.is_ok  # SIGKILL: no result
+    for result in (survivor, restarted):
+        assert result.is_ok, result.value
+        assert result.value["equal_rounds"] == result.value["rounds"] > 0, result.value
+    assert survivor.value["rounds_after_kill"] > 0 and not survivor.value["reattached"]
+    assert restarted.value["reattached"]
+    assert restarted.value["stats"]["rendezvous_seconds"] == 0.0
+    assert not os.path.exists(holders[0].path)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_slice_changed_since_fill_is_refused_at_reattach(tmp_path, shm_dir, store):
+    holder = SliceHolder(store, GENERATION, 0)
+    settings = PeerGroupSettings(size=1, rank=0, store_dir=store, generation=GENERATION,
+                                 holders=True)
+    try:
+        first = open_group_tables(TINY, settings)
+        assert first.reattach_seconds is None and holder.is_full
+        again = open_group_tables(TINY, settings)  # the holder has them: re-attached
+        assert again.reattach_seconds is not None
+        assert torch.equal(again.tables[3].local, first.tables[3].local)
+        again.close()
+        first.tables[3].local[0, 0] ^= 0xFF  # what a stray write would do
+        with pytest.raises(SliceHolderError, match="slice of table 3 does not match"):
+            open_group_tables(TINY, settings)
+        first.close()
+    finally:
+        holder.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_holders_refuse_what_is_not_theirs(tmp_path, store):
+    holder = SliceHolder(store, GENERATION, 1)
+    path = holder_path(store, 1)
+    data = tmp_path / "slice"
+    data.write_bytes(bytes(64))
+    fd = os.open(data, os.O_RDONLY)
+    meta = [{"key": 1, "shape": [1, 64], "nbytes": 64, "digest": "x", "kind": "shm"}]
+    try:
+        assert fetch(path, GENERATION) == ([], [])  # first start: nothing held
+        with pytest.raises(SliceHolderError, match="asked for 'other'"):
+            fetch(path, "other")
+        with pytest.raises(SliceHolderError, match="rank 0 deposited at the holder of rank 1"):
+            deposit(path, GENERATION, 0, meta, [fd])
+        with pytest.raises(SliceHolderError, match="1 slices came with 2 descriptors"):
+            deposit(path, GENERATION, 1, meta, [fd, fd])
+        deposit(path, GENERATION, 1, meta, [fd])
+        with pytest.raises(SliceHolderError, match="deposited its slices twice"):
+            deposit(path, GENERATION, 1, meta, [fd])
+        slices, fds = fetch(path, GENERATION)
+        assert slices == meta and len(fds) == 1 and os.fstat(fds[0]).st_size == 64
+        os.close(fds[0])
+        with pytest.raises(SliceHolderError, match="cannot listen"):
+            SliceHolder(store, GENERATION, 1)  # one holder per rank and generation
+    finally:
+        os.close(fd)
+        holder.close()
+    with pytest.raises(SliceHolderError, match="its replica is gone"):
+        fetch(path, GENERATION)
+    os.chmod(store, 0o755)
+    with pytest.raises(SliceHolderError, match="mode 0700"):
+        SliceHolder(store, GENERATION, 0)
+
+
+def test_sampled_digest_sees_shape_and_rows():
+    rows = torch.arange(70 * 66, dtype=torch.int64).to(torch.uint8).view(70, 66)
+    assert sampled_digest(rows) == sampled_digest(rows.clone())
+    changed = rows.clone()
+    changed[69, 3] += 1  # the last row is always sampled
+    assert sampled_digest(changed) != sampled_digest(rows)
+    assert sampled_digest(rows[:69]) != sampled_digest(rows)
