@@ -173,7 +173,7 @@ def serve_member(rank: int, layout: EngramLayout, size: int, store_dir: str, gen
     its holder holds them), touch `<control_dir>/ready-<rank>-<pid>`, then compare lookups of
     fresh random ids with the reference until `<control_dir>/stop` exists:
     {"rounds", "equal_rounds", "rounds_after_kill" (those ended after `<control_dir>/killed`
-    appeared), "reattached", "stats"}."""
+    appeared), "seconds_read_after_kill", "reattached", "stats"}."""
     if device == "cuda":
         torch.cuda.set_device(device := f"cuda:{rank % torch.cuda.device_count()}")
     settings = PeerGroupSettings(size=size, rank=rank, store_dir=store_dir,
@@ -183,6 +183,7 @@ def serve_member(rank: int, layout: EngramLayout, size: int, store_dir: str, gen
     control = lambda name: os.path.join(control_dir, name)  # noqa: E731
     open(control(f"ready-{rank}-{os.getpid()}"), "w").close()
     rounds = equal = after_kill = 0
+    first_after_kill_at = last_at = None
     try:
         while not os.path.exists(control("stop")):
             layer_id = layout.layer_ids[rounds % len(layout.layer_ids)]
@@ -191,9 +192,13 @@ def serve_member(rank: int, layout: EngramLayout, size: int, store_dir: str, gen
                                  device)
             is_equal = torch.equal(tables.lookup(layer_id, ids, "packed"),
                                    expected_rows(ids, layout.head_dim, seed, "packed"))
-            rounds, equal = rounds + 1, equal + is_equal
-            after_kill += os.path.exists(control("killed"))
+            rounds, equal, last_at = rounds + 1, equal + is_equal, time.monotonic()
+            if os.path.exists(control("killed")):
+                after_kill += 1
+                first_after_kill_at = first_after_kill_at or last_at
         return {"rounds": rounds, "equal_rounds": equal, "rounds_after_kill": after_kill,
+                "seconds_read_after_kill": (last_at - first_after_kill_at
+                                            if first_after_kill_at else 0.0),
                 "reattached": tables.reattach_seconds is not None, "stats": tables.stats()}
     finally:
         tables.close()

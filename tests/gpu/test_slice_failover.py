@@ -1,0 +1,93 @@
+"""Slice holders on the cuda backend (POSIX-FD exports of CUDA VMM slices): the process that
+filled and exported a slice is killed with SIGKILL while another maps and reads it; the reader
+keeps looking up that slice's rows bitwise equal to the reference for 10 s, and a new process
+re-attaches the slice from its holder (this pytest process, which has no CUDA context, like a
+Serve replica) and reads the same bytes. One GPU: both readers map the slice of a group of one;
+two GPUs: a group of two, its rank 0 killed and restarted while rank 1 reads on.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engram_ray.model.layout import EngramLayout
+from engram_ray.tables.local_group import Members, serve_member
+from engram_ray.tables.slice_holder import SliceHolder
+
+# ~20K-row buckets: ~0.49M rows per table (122 MiB)
+SMALL = EngramLayout(layer_ids=(1, 14), vocab_size=20_000, max_ngram_size=4, n_heads=8,
+                     head_dim=256, compressed_vocab_size=1000, pad_token_id=2)
+READ_AFTER_KILL_S = 10.5
+
+
+def _wait_ready(control, rank: int, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not list(control.glob(f"ready-{rank}-*")):
+        assert time.monotonic() < deadline, f"rank {rank} not ready in {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _kill_read_restart(tmp_path, size: int) -> list:
+    store, control = tmp_path / "store", tmp_path / "control"
+    store.mkdir(mode=0o700)
+    control.mkdir()
+    generation = f"failover-{size}"
+    holders = [SliceHolder(str(store), generation, rank) for rank in range(size)]
+    members = Members(serve_member, (SMALL, size, str(store), generation, str(control), "cuda",
+                                     "cuda", 3, 64, 120.0), start_method="spawn")
+    try:
+        victim = members.start(0, key=0)
+        for rank in range(1, size):
+            members.start(rank, key=rank)
+        _wait_ready(control, 0)
+        if size == 1:  # the reader: a second process mapping rank 0's slice from its holder
+            members.start(0, key=1)
+            while len(list(control.glob("ready-0-*"))) < 2:
+                time.sleep(0.1)
+        for rank in range(1, size):
+            _wait_ready(control, rank)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(30)
+        (control / "killed").touch()
+        for ready in control.glob("ready-0-*"):
+            ready.unlink()
+        time.sleep(READ_AFTER_KILL_S)
+        members.start(0, key=2)  # the restarted engine
+        _wait_ready(control, 0)
+        time.sleep(1.0)
+        (control / "stop").touch()
+        results = members.collect(240)
+    finally:
+        for holder in holders:
+            holder.close()
+    assert not torch.cuda.is_initialized()  # the holders need no CUDA context
+    return results
+
+
+def _check(results) -> None:
+    killed, reader, restarted = results
+    print({"reader": {k: v for k, v in reader.value.items() if k != "stats"}
+           if reader.is_ok else reader.value,
+           "restarted": {k: v for k, v in restarted.value.items() if k != "stats"}
+           if restarted.is_ok else restarted.value})
+    assert not killed.is_ok
+    for result in (reader, restarted):
+        assert result.is_ok, result.value
+        assert result.value["equal_rounds"] == result.value["rounds"] > 0, result.value
+        assert result.value["stats"]["handle_type"] == "posix_fd"
+    assert reader.value["seconds_read_after_kill"] >= 10.0, reader.value
+    assert restarted.value["reattached"] and restarted.value["stats"]["rendezvous_seconds"] == 0
+
+
+@pytest.mark.gpu
+def test_one_gpu_slice_outlives_its_exporter_and_is_reattached(tmp_path):
+    _check(_kill_read_restart(tmp_path, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_two_gpus_member_killed_and_restarted_while_its_peer_reads(tmp_path):
+    _check(_kill_read_restart(tmp_path, 2))
