@@ -12,10 +12,13 @@ when `serving.http_sd_port` is set (GET /targets, for Prometheus in another pod)
 of each engine on its node (0, 1, ...: its fixed ports with `serving.metrics_port`).
 
 Routing (`routing`, long-polled by the ingress): a group serves while every member of its
-generation is ready and none is lost. A member is lost when its replica reports its engine
-dead (`report_broken`) or stops (`leave`), or when this actor's watch finds its replica actor
-dead (pinged every WATCH_PERIOD_S): the ingress stops sending the group requests within a
-fraction of a second, long before Serve's health checks restart the gang.
+generation has been ready, none is lost and one at least is not restarting; the ingress sends
+requests to the members that serve. A member whose engine died restarts it in place
+(`member_restarting`, then `member_ready`). A member is lost when its replica reports it
+(`report_broken`: no slices to re-attach, a failed restart) or stops (`leave`), or when this
+actor's watch finds its replica actor dead (pinged every WATCH_PERIOD_S): the ingress stops
+sending the group requests within a fraction of a second, long before Serve's health checks
+restart the gang.
 
 Created by `engram_ray.serve.app.build_app` before the engines (detached: a `serve deploy` build
 task ends, the application stays). One left by an earlier deployment of the same name is reused
@@ -100,6 +103,19 @@ class Coordinator:
                 if actor is not None:
                     self._actors[replica_id] = actor
                 self._routing_changed_locked()
+
+    def member_restarting(self, replica_id: str, reason: str) -> bool:
+        """Member `replica_id`'s engine died and restarts in place (its replica holds its
+        slices): the ingress stops sending it requests; its group's other members serve on.
+        False when its generation no longer serves (then it is not restarted in place)."""
+        with self._lock:
+            if not self.book.member_restarting(replica_id, reason):
+                return False
+            group_id, generation, rank = self.book.find_member(replica_id)
+            logger.warning("engram-ray: %s generation %s member %d restarts its engine: %s",
+                           group_id, generation, rank, reason)
+            self._routing_changed_locked()
+            return True
 
     def report_broken(self, replica_id: str, reason: str) -> None:
         """Member `replica_id` is lost (its engine died, its health check failed)."""

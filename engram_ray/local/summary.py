@@ -36,6 +36,8 @@ def engine_row(samples: dict) -> dict:
             "steps": int(steps), "step_ms": 1000 * step_sum / steps if steps else 0.0,
             "generation": int(_sum(samples, "engram_group_generation")),
             "healthy": _sum(samples, "engram_group_healthy") == 1,
+            "reattached": _sum(samples, "engram_slices_reattached") == 1,
+            "restarts": int(_sum(samples, "engram_engine_restarts_total")),
             "requests_ok": int(_sum(samples, "vllm:request_success_total")),
             "lookups": int(_sum(samples, "engram_lookup_seconds_count")),
             "remote_fraction": (_sum(samples, "engram_rows_read_total", rows="remote")

@@ -8,13 +8,18 @@ members were stopped before Serve started the new gang.
 
     book = GenerationBook(deployment_config, layout, {"group-0": "domain-a"})
     book.join("group-0", gang_id, rank, world_size, replica_id, node_labels) -> assignment dict
-    book.member_ready(replica_id)                   # its engine serves
-    book.break_generation(group_id, generation, why)  # a member died: stop routing to it
-    book.routing() -> {group_id: {"generation", "serving", "reason"}}
+    book.member_ready(replica_id)                   # its engine serves (again)
+    book.member_restarting(replica_id, why)         # its engine died, restarts in place
+    book.break_generation(group_id, generation, why)  # a member lost: stop routing to it
+    book.routing() -> {group_id: {"generation", "serving", "reason", "members"}}
 
-A group serves (the ingress sends it requests) while its current generation has every member
-ready and none lost. The first member lost breaks the generation for good: Serve restarts the
-whole gang, and the next gang opens a new generation.
+A group serves (the ingress sends it requests) while its current generation has had every
+member ready, none lost, and at least one member not restarting; requests go to the members
+that serve (`members`: their replica ids). A member whose engine died but whose replica holds
+its slices restarts that engine in the same generation (engines serve side by side when they
+read the same rows: `engram_ray.tables.holding`); a member lost (its replica, GPU or node, or a
+restart that failed) breaks the generation for good: Serve restarts the whole gang, and the
+next gang opens a new generation.
 """
 
 from __future__ import annotations
@@ -45,9 +50,17 @@ class Generation:
     ready_at: dict = field(default_factory=dict)   # rank -> wall time its engine served
     broken: str | None = None                      # why it stopped serving, for good
     broken_at: float | None = None
+    restarting: dict = field(default_factory=dict)  # rank -> {"reason", "since"}
+    restarts: list = field(default_factory=list)    # {"rank", "reason", "since", "ready_at"}
 
     def is_serving(self, size: int) -> bool:
-        return self.broken is None and len(self.ready_at) == size
+        return (self.broken is None and len(self.ready_at) == size
+                and len(self.restarting) < size)
+
+    def serving_members(self) -> list[str]:
+        """Replica ids of the members that take requests now."""
+        return sorted(m["replica_id"] for rank, m in self.members.items()
+                      if rank in self.ready_at and rank not in self.restarting)
 
 
 @dataclass
@@ -122,8 +135,26 @@ class GenerationBook:
         if member is None:
             return None
         group_id, _, rank = member
-        self.groups[group_id].current.ready_at.setdefault(rank, time.time())
+        gen = self.groups[group_id].current
+        gen.ready_at.setdefault(rank, time.time())
+        restart = gen.restarting.pop(rank, None)
+        if restart is not None:
+            gen.restarts.append({"rank": rank, **restart, "ready_at": time.time()})
         return group_id, rank
+
+    def member_restarting(self, replica_id: str, reason: str) -> bool:
+        """Member `replica_id`'s engine died and restarts inside its replica, in the same
+        generation: no requests for it until it is ready again. False when no serving
+        generation holds it (the group is broken already)."""
+        member = self.find_member(replica_id)
+        if member is None:
+            return False
+        gen = self.groups[member[0]].current
+        rank = member[2]
+        if gen.broken is not None or rank not in gen.ready_at:
+            return False
+        gen.restarting.setdefault(rank, {"reason": reason, "since": time.time()})
+        return True
 
     def break_generation(self, group_id: str, generation: str, reason: str) -> bool:
         """Generation `generation` of `group_id` stops serving (first reason kept); False if
@@ -144,9 +175,12 @@ class GenerationBook:
                 table[gid] = {"generation": None, "serving": False, "reason": "not started"}
                 continue
             reason = gen.broken or (None if gen.is_serving(size) else
-                                    f"{len(gen.ready_at)} of {size} members ready")
+                                    f"{len(gen.ready_at)} of {size} members ready"
+                                    if len(gen.ready_at) < size else
+                                    "every member's engine is restarting")
             table[gid] = {"generation": gen.generation, "serving": reason is None,
-                          "reason": reason}
+                          "reason": reason, "members": gen.serving_members(),
+                          "restarting": sorted(gen.restarting)}
         return table
 
     def find_member(self, replica_id: str) -> tuple[str, str, int] | None:
@@ -178,5 +212,7 @@ class GenerationBook:
                       "ready_at": dict(g.current.ready_at) if g.current else {},
                       "broken": g.current.broken if g.current else None,
                       "broken_at": g.current.broken_at if g.current else None,
+                      "restarting": dict(g.current.restarting) if g.current else {},
+                      "restarts": list(g.current.restarts) if g.current else [],
                       "history": list(g.history)}
                 for gid, g in self.groups.items()}

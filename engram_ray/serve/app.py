@@ -6,7 +6,8 @@
       plan groups     each of serving.num_peer_groups gets a domain   actors/placement.py
       coordinator     generations, store folders, slices, targets      actors/coordinator.py
       per group       one Serve deployment = one gang of P engines,    engram_ray.serve.replica
-                      bundles label-selected to the group's domain
+                      bundles label-selected to the group's domain,
+                      requests only to its members that serve          engram_ray.serve.member_router
       ingress         OpenAI API, requests spread over the groups      engram_ray.serve.ingress
                       request checks, caps, every error's shape         engram_ray.serve.api_guard
 
@@ -109,8 +110,11 @@ def build_engram_app(args: dict, server_cls=None):
     groups = plan_groups(dep, app.serving.num_peer_groups)
     get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name)
     configs = [llm_config(app, g) for g in groups]
+    from engram_ray.serve.member_router import ROUTER_PATH
+
     engines = [build_llm_deployment(config, deployment_cls=server_cls, override_serve_options={
-        "name": f"{server_cls.__name__}:{dep.name}:{g.group_id}", **gang_options(dep, g)})
+        "name": f"{server_cls.__name__}:{dep.name}:{g.group_id}", **gang_options(dep, g),
+        "request_router_config": {"request_router_class": ROUTER_PATH}})
         for config, g in zip(configs, groups)]
     return _ingress(configs[0], {g.group_id: e for g, e in zip(groups, engines)}, dep.name)
 

@@ -51,6 +51,8 @@ GROUP_DEPLOYMENT_OPTIONS = {
                    "max_replicas_per_node")},
     "health_check_period_s": "deployment.health_check_interval_s",
     "health_check_timeout_s": "deployment.max_missed_pings",
+    "request_router_config": "nothing: requests go to the members that serve "
+                             "(engram_ray.serve.member_router)",
     "name": "deployment.name"}
 
 

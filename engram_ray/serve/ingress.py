@@ -2,13 +2,17 @@
 deployment per peer group behind each model id instead of one.
 
 Routing: requests go in turn to the groups that serve (the coordinator's `routing`, long-polled
-by `GroupRouting`); inside a group Serve's router picks the replica. A group stops getting
-requests the moment the coordinator marks it broken (a member's engine or replica died) or this
-ingress sees it fail. Faults as the client sees them:
+by `GroupRouting`); inside a group Serve's router picks one of the members that serve
+(`engram_ray.serve.member_router.LiveMemberRouter`, reading `live_replica_ids`). A member whose
+engine restarts gets no requests while its group's other members serve on; a group stops
+getting requests the moment the coordinator marks it broken (a member lost) or this ingress
+sees it fail. Faults as the client sees them:
 
-    group fails before anything was sent   the request goes to another serving group; with
+    member or group fails before anything  once the coordinator's routing changes (a member
+    was sent                               restarting, a group broken: within a second), the
+                                           request goes to a member or group that serves; with
                                            none left: 503 + Retry-After
-    group fails mid-stream                 the stream ends with an error event, then [DONE]
+    fails mid-stream                       the stream ends with an error event, then [DONE]
                                            (as vLLM's own server ends a stream whose engine
                                            died), never with a clean end and no finish_reason
 """
@@ -28,7 +32,10 @@ logger = logging.getLogger("ray.serve")
 
 RETRY_AFTER_S = 5          # a restarting group serves again after tens of seconds at best
 ROUTING_POLL_S = 10.0      # long-poll timeout of the coordinator's routing table
-BROKEN_WAIT_S = 0.5        # after a 5xx first chunk: how long to wait for the group's report
+# After a failure before the first chunk: how long to wait for the coordinator's word (a
+# member restarting, a group broken) before the request is tried again or the error stands.
+BROKEN_WAIT_S = 1.0
+MAX_ATTEMPTS = 4           # tries of one request (each after the routing changed)
 # A group this ingress saw fail is skipped this long unless the coordinator reports a new
 # generation sooner; after that the coordinator's word (it finds a dead member within a
 # second) decides, so a transient error cannot take a healthy group out for good.
@@ -46,6 +53,15 @@ GROUP_HEADER, GENERATION_HEADER = "x-engram-peer-group", "x-engram-generation"
 
 class GroupsUnavailable(Exception):
     """No peer group of the model serves now."""
+
+
+# The replica ids of every member that serves, as this process's ingress last heard from the
+# coordinator (None: not known yet); read by `engram_ray.serve.member_router` in this process.
+_live_replicas: set[str] | None = None
+
+
+def live_replica_ids() -> set[str] | None:
+    return _live_replicas
 
 
 def is_group_failure(exc: BaseException) -> bool:
@@ -88,21 +104,34 @@ class GroupRouting:
             try:
                 coordinator = find_coordinator(self.deployment_name)
                 while True:
+                    seen = version
                     version, table = await coordinator.routing.remote(version, ROUTING_POLL_S)
-                    self._update(table)
+                    self._update(table, changed=version != seen)
             except Exception as exc:  # coordinator restarting: route on what is known
                 logger.warning("engram-ray ingress: routing table unavailable: %s", exc)
                 await asyncio.sleep(1.0)
 
-    def _update(self, table: dict[str, dict]) -> None:
+    def _update(self, table: dict[str, dict], changed: bool = True) -> None:
+        global _live_replicas
         if table != self.table:
             logger.info("engram-ray ingress: routing %s", {
-                g: "serving" if r["serving"] else r["reason"] for g, r in table.items()})
+                g: f"serving ({len(r['members'])} members)" if r["serving"] else r["reason"]
+                for g, r in table.items()})
         self.table = table
+        _live_replicas = {m for r in table.values() if r["serving"] for m in r["members"]}
         self.lost = {(g, gen): at for (g, gen), at in self.lost.items()
                      if table.get(g, {}).get("generation") == gen}
-        self._updated.set()
-        self._updated = asyncio.Event()
+        if changed:
+            self._updated.set()
+            self._updated = asyncio.Event()
+
+    async def wait_change(self, timeout_s: float) -> bool:
+        """True once the coordinator's routing changes (within `timeout_s`)."""
+        try:
+            await asyncio.wait_for(self._updated.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def generation(self, group_id: str) -> str | None:
         return (self.table or {}).get(group_id, {}).get("generation")
@@ -115,20 +144,6 @@ class GroupRouting:
 
     def mark_lost(self, group_id: str, generation: str | None) -> None:
         self.lost.setdefault((group_id, generation), time.monotonic())
-
-    async def wait_not_serving(self, group_id: str, timeout_s: float) -> bool:
-        """True once the coordinator reports `group_id` not serving (within `timeout_s`)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.is_serving(group_id):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._updated.wait(), remaining)
-            except asyncio.TimeoutError:
-                return False
-        return True
 
     def describe(self) -> str:
         if self.table is None:
@@ -175,7 +190,7 @@ class PeerGroupIngress(OpenAiIngress):
                 yield item
             return
         tried: set[str] = set()
-        while True:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
             group_id, handle = self._pick(model_id, tried)
             generation = self._routing.generation(group_id)
             token = _picked.set(handle)
@@ -186,19 +201,19 @@ class PeerGroupIngress(OpenAiIngress):
             except StopAsyncIteration:
                 return
             except Exception as exc:
-                if not is_group_failure(exc):
+                if not is_group_failure(exc) or attempt == MAX_ATTEMPTS:
                     raise
-                self._lost(group_id, generation, exc)
-                tried.add(group_id)
+                if not await self._routing.wait_change(BROKEN_WAIT_S):
+                    self._lost(group_id, generation, exc)
+                    tried.add(group_id)
                 continue
             finally:
                 _picked.reset(token)
-            if _is_server_error(first) and await self._routing.wait_not_serving(
-                    group_id, BROKEN_WAIT_S):
-                logger.warning("engram-ray ingress: %s failed a request before its first "
-                               "chunk; trying another group", group_id)
+            if (_is_server_error(first) and attempt < MAX_ATTEMPTS
+                    and await self._routing.wait_change(BROKEN_WAIT_S)):
+                logger.warning("engram-ray ingress: a member of %s failed a request before "
+                               "its first chunk; trying a member that serves", group_id)
                 await stream.aclose()
-                tried.add(group_id)
                 continue
             break
         note = _route_note.get()
@@ -209,12 +224,11 @@ class PeerGroupIngress(OpenAiIngress):
             async for item in stream:
                 yield item
         except Exception as exc:  # after the first chunk: the client must see it fail
-            if is_group_failure(exc):
-                self._lost(group_id, generation, exc)
-            else:
+            # A dead engine or replica: the coordinator's routing moves the next requests.
+            if not is_group_failure(exc):
                 logger.exception("engram-ray ingress: stream of %s failed", group_id)
-            yield error_event(f"peer group {group_id} failed while serving this request; "
-                              "retry it")
+            yield error_event(f"an engine of peer group {group_id} failed while serving this "
+                              "request; retry it")
 
     def _lost(self, group_id: str, generation: str | None, exc: BaseException) -> None:
         logger.warning("engram-ray ingress: %s (generation %s) lost: %s", group_id,

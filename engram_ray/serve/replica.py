@@ -10,13 +10,16 @@ every new gang id. Start of a replica (`start`, before vLLM starts):
   rank's slice and meets the group in the FileStore rendezvous while the engine loads)
   ─► `/metrics` endpoint registered as a Prometheus target ─► vLLM engine (Ray Serve LLM)
   ─► KV-cache capacity and a stat logger feeding KV usage and step time.
-Failure: a member that dies or fails its health check makes Serve stop every member of its
-gang and start a new gang (RESTART_GANG), so no engine serves next to peers of another
-generation. Before that, within a fraction of a second, the group stops getting requests: a
-replica reports its engine's death to the coordinator as soon as vLLM's client sees it
-(`_watch_engine`), and the coordinator pings every member's actor; the ingress routes by what
-the coordinator says (`engram_ray.serve.ingress`). Answers carry the generation id that
-produced them (`system_fingerprint`).
+Failure: a member whose engine dies (EngineCore or a worker) restarts that engine in place, in
+its generation, re-attaching its slices from the slice holder this replica runs
+(`engram_ray.serve.member_restart`); the group's other members serve throughout and the
+ingress sends the member nothing until it is back. A member lost otherwise (its replica, GPU or
+node, a restart that failed, a health check failed) makes Serve stop every member of its gang
+and start a new gang (RESTART_GANG), so no engine serves next to peers of another generation.
+The replica tells the coordinator within a fraction of a second (`_watch_engine`), and the
+coordinator pings every member's actor; the ingress routes by what the coordinator says
+(`engram_ray.serve.ingress`). Answers carry the generation id that produced them
+(`system_fingerprint`).
 """
 
 # Over 300 lines: one replica's whole life (engine start, group join, engine watch, reports to
@@ -40,6 +43,7 @@ from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, m
 from engram_ray.serve.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.serve.engine_shm import record_segments, release_recorded
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
+from engram_ray.serve.member_restart import MemberRestartMixin, own_actor
 from engram_ray.tables.settings import PeerGroupSettings
 
 APP_CONFIG_KEY = "engram_app"
@@ -87,16 +91,18 @@ class EngramStatLogger:
         pass
 
 
-def peer_group_settings(assignment: dict, dp_rank: int = 0) -> PeerGroupSettings:
+def peer_group_settings(assignment: dict, dp_rank: int = 0,
+                        holders: bool = False) -> PeerGroupSettings:
     """This replica's `engram_ray.tables.settings.PeerGroupSettings` from its coordinator
     assignment: `rank` is the member of DP rank 0 of its data-parallel gang (the plugin adds
-    the DP rank); a handle type only when the deployment requests one."""
+    the DP rank); a handle type only when the deployment requests one; `holders` when the
+    replica holds its engine's slices (`engram_ray.tables.slice_holder`)."""
     keys = ("size", "store_dir", "generation", "timeout_s", "backend", "handle_type")
-    return PeerGroupSettings(rank=assignment["member_rank"] - dp_rank,
+    return PeerGroupSettings(rank=assignment["member_rank"] - dp_rank, holders=holders,
                              **{key: assignment[key] for key in keys})
 
 
-class EngramServerMixin:
+class EngramServerMixin(MemberRestartMixin):
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
     async def start(self):
@@ -112,14 +118,18 @@ class EngramServerMixin:
         self._assignment = a = await self._coordinator.join.remote(
             group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
         try:  # from here on this replica holds a rank: a failure gives it back at once
+            if getattr(self, "dp_size", 1) == 1:  # DP gangs restart whole (member_restart)
+                from engram_ray.tables.slice_holder import SliceHolder
+                self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
             await self._start_member(a)
+            self._note_engine_processes()
             self.engram_metrics.set_group(a["generation_index"], True,
                                           rendezvous_seconds=time.perf_counter() - joined_at)
             await self._attach_stat_logger()
             await self._register_model_process_target()
             record_segments(self._replica_id)
             self._segments_recorded_at = time.monotonic()
-            await self._coordinator.member_ready.remote(self._replica_id, _own_actor())
+            await self._coordinator.member_ready.remote(self._replica_id, own_actor())
             self._engine_watch_task = asyncio.get_running_loop().create_task(
                 self._watch_engine())
         except BaseException as exc:
@@ -155,7 +165,8 @@ class EngramServerMixin:
         self._metrics_slot = slot = await self._coordinator.metrics_slot.remote(
             self._replica_id, ray.get_runtime_context().get_node_id())
         additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
-        settings = peer_group_settings(a, getattr(self, "dp_rank", 0))
+        settings = peer_group_settings(a, getattr(self, "dp_rank", 0),
+                                       holders=getattr(self, "_holder", None) is not None)
         additional.update(settings.to_additional_config())
         additional[PROCESS_METRICS_KEY] = {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
@@ -199,15 +210,15 @@ class EngramServerMixin:
         return death
 
     async def _watch_engine(self) -> None:
-        """Report the engine's death to the coordinator the moment vLLM's client knows it
-        (`AsyncLLM.errored`: its engine-core process is gone), so the ingress stops sending
-        this group requests; Serve's health check then restarts the group."""
+        """Act on the engine's death the moment vLLM's client knows it (`AsyncLLM.errored`:
+        its engine-core process is gone): restart it in place, or report the member lost so
+        that the ingress stops sending this group requests (`member_restart`)."""
         client = getattr(getattr(self, "engine", None), "_engine_client", None)
         if client is None or not hasattr(client, "errored"):
             return
         while not client.errored:
             await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
-        await self._report_broken("engine died")
+        await self._on_engine_death()
 
     async def _report_broken(self, reason: str) -> None:
         if getattr(self, "_reported_broken", False):
@@ -254,6 +265,12 @@ class EngramServerMixin:
                 self.engram_metrics, capacity.capacity_bytes, capacity.capacity_tokens))
 
     async def check_health(self) -> None:
+        if self._restart_error is not None:
+            raise EngineDiedError(self._restart_error)
+        client = getattr(getattr(self, "engine", None), "_engine_client", None)
+        if self._restarting or (getattr(client, "errored", False)
+                                and self.can_restart_in_place()):
+            return  # the engine restarts in place (or its watch is about to start it)
         try:
             await super().check_health()
         except Exception as exc:
@@ -285,6 +302,10 @@ class EngramServerMixin:
         return options
 
     async def _leave(self) -> None:
+        holder = getattr(self, "_holder", None)
+        if holder is not None:
+            holder.close()
+            self._holder = None
         server = getattr(self, "_metrics_server", None)
         if server is not None:
             server.stop()
@@ -301,16 +322,6 @@ class EngramServerMixin:
             await super().__del__()
         finally:
             _shut_down_vllm(self)
-
-
-def _own_actor():
-    """This replica's Ray actor handle (the coordinator pings it), None outside an actor."""
-    import ray
-
-    try:
-        return ray.get_runtime_context().current_actor
-    except RuntimeError:
-        return None
 
 
 def _shut_down_vllm(server) -> None:

@@ -38,11 +38,14 @@ def test_a_group_serves_only_with_every_member_ready_and_none_lost(tmp_path):
     book.member_ready("m0")
     assert book.routing()["group-0"]["reason"] == "1 of 2 members ready"
     assert book.member_ready("m1") == ("group-0", 1)
-    assert book.routing()["group-0"] == {"generation": first, "serving": True, "reason": None}
+    assert book.routing()["group-0"] == {"generation": first, "serving": True, "reason": None,
+                                         "members": ["m0", "m1"], "restarting": []}
     assert book.break_generation("group-0", first, "member 1: engine died")
     assert not book.break_generation("group-0", first, "again")  # the first reason stays
     assert book.routing()["group-0"] == {"generation": first, "serving": False,
-                                         "reason": "member 1: engine died"}
+                                         "reason": "member 1: engine died",
+                                         "members": ["m0", "m1"], "restarting": []}
+    assert not book.member_restarting("m0", "engine died")  # broken: no restart in place
     book.leave("m0")  # Serve stops the survivor: still broken, for the first reason
     assert book.routing()["group-0"]["reason"] == "member 1: engine died"
     second = book.join("group-0", "gang2", 0, 2, "n0")["generation"]
@@ -50,7 +53,7 @@ def test_a_group_serves_only_with_every_member_ready_and_none_lost(tmp_path):
     assert not book.break_generation("group-0", first, "late report of the old gang")
     assert not book.routing()["group-0"]["serving"]
     book.member_ready("n0"), book.member_ready("n1")
-    assert book.routing()["group-0"] == {"generation": second, "serving": True, "reason": None}
+    assert book.routing()["group-0"]["serving"] and book.routing()["group-0"]["generation"] == second
     assert book.routing()["group-1"]["serving"] is False  # groups are independent
     assert book.member_ready("m1") is None  # a replica of a replaced gang
     (old,) = book.status()["group-0"]["history"]
@@ -64,7 +67,30 @@ def test_a_member_that_stops_breaks_its_generation(tmp_path):
     book.member_ready("a"), book.member_ready("b")
     book.leave("b")
     assert book.routing()["group-1"] == {"generation": gen, "serving": False,
-                                         "reason": "member 1 stopped"}
+                                         "reason": "member 1 stopped", "members": ["a"],
+                                         "restarting": []}
+
+
+def test_a_member_restarting_its_engine_keeps_its_group_and_generation(tmp_path):
+    book = _book(tmp_path)
+    gen = book.join("group-0", "g", 0, 2, "a")["generation"]
+    book.join("group-0", "g", 1, 2, "b")
+    assert not book.member_restarting("a", "engine died")  # never ready: nothing to restart
+    book.member_ready("a"), book.member_ready("b")
+    assert book.member_restarting("b", "engine core exited with SIGKILL")
+    route = book.routing()["group-0"]
+    assert route == {"generation": gen, "serving": True, "reason": None, "members": ["a"],
+                     "restarting": [1]}
+    assert book.member_restarting("a", "engine died")  # both at once: the group pauses
+    assert book.routing()["group-0"]["reason"] == "every member's engine is restarting"
+    book.member_ready("b")
+    book.member_ready("a")
+    status = book.status()["group-0"]
+    assert status["generation"] == gen and status["restarting"] == {}
+    assert [r["rank"] for r in status["restarts"]] == [1, 0]
+    assert status["restarts"][0]["reason"] == "engine core exited with SIGKILL"
+    assert status["restarts"][0]["ready_at"] >= status["restarts"][0]["since"]
+    assert book.routing()["group-0"]["members"] == ["a", "b"]
 
 
 def test_group_failures_are_told_from_request_errors():
@@ -111,27 +137,43 @@ def test_coordinator_stops_routing_to_a_group_whose_replica_dies(ray_local, tmp_
     assert noticed_s < 1.0, noticed_s
     assert not table["group-0"]["serving"] and table["group-1"]["serving"]
     assert "replica actor lost" in table["group-0"]["reason"]
+    poll = coordinator.routing.remote(version, 30.0)
+    assert ray.get(coordinator.member_restarting.remote("m1", "engine died"))
+    version, table = ray.get(poll)  # the long poll returns at once
+    assert table["group-1"]["restarting"] == [0] and not table["group-1"]["serving"]
+    ray.get(coordinator.member_ready.remote("m1", replicas[1]))
+    assert ray.get(coordinator.routing.remote())[1]["group-1"]["members"] == ["m1"]
     ray.get(coordinator.report_broken.remote("m1", "engine died"))
     assert ray.get(coordinator.routing.remote())[1]["group-1"]["reason"] == (
         "member 0: engine died")
     ray.kill(coordinator)
 
 
+def _route(generation: str, serving: bool = True, members=("m0",)) -> dict:
+    return {"generation": generation, "serving": serving, "reason": None if serving else "x",
+            "members": list(members), "restarting": []}
+
+
 def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
+    import engram_ray.serve.ingress as ingress
+
     async def scenario():
         routing = GroupRouting("unused")
         assert routing.is_serving("group-0")  # nothing known yet: Serve's own routing
-        routing._update({"group-0": {"generation": "g.1", "serving": True, "reason": None}})
+        routing._update({"group-0": _route("g.1")})
         routing.mark_lost("group-0", "g.1")
         assert not routing.is_serving("group-0")
-        assert await routing.wait_not_serving("group-0", 0.01)
-        routing._update({"group-0": {"generation": "g.2", "serving": True, "reason": None}})
+        routing._update({"group-0": _route("g.2", members=("m0", "m1")),
+                         "group-1": _route("h.1", serving=False, members=("n0",))})
         assert routing.is_serving("group-0")
-        waiter = asyncio.ensure_future(routing.wait_not_serving("group-0", 5.0))
+        assert ingress.live_replica_ids() == {"m0", "m1"}  # members of serving groups only
+        waiter = asyncio.ensure_future(routing.wait_change(5.0))
         await asyncio.sleep(0.01)
-        routing._update({"group-0": {"generation": "g.2", "serving": False, "reason": "x"}})
-        assert await waiter
-        assert await routing.wait_not_serving("group-1", 0.01)  # a group it has no word of
+        routing._update({"group-0": _route("g.2", members=("m1",))}, changed=False)
+        assert not waiter.done()  # a long poll that timed out is no change
+        routing._update({"group-0": _route("g.2", members=("m1",))})
+        assert await waiter and ingress.live_replica_ids() == {"m1"}
+        assert not await routing.wait_change(0.01)
     asyncio.run(scenario())
 
 
@@ -141,7 +183,7 @@ def test_a_failure_seen_only_by_the_ingress_expires(monkeypatch):
 
     monkeypatch.setattr(ingress, "LOST_HINT_S", 0.05)
     routing = GroupRouting("unused")
-    routing._update({"group-0": {"generation": "g.1", "serving": True, "reason": None}})
+    routing._update({"group-0": _route("g.1")})
     routing.mark_lost("group-0", "g.1")
     assert not routing.is_serving("group-0")
     time.sleep(0.06)

@@ -1,0 +1,137 @@
+"""One member's engine restarted inside its replica, in its generation, while the group serves.
+
+A replica holds its engine's table slices (`engram_ray.tables.slice_holder.SliceHolder`, in
+the replica process: it outlives the engine's processes and needs no CUDA context). When the
+engine dies (EngineCore or its worker: vLLM's client reports `errored`):
+
+    coordinator.member_restarting   the ingress sends this member no requests; its peers serve
+    stop the dead engine            vLLM's client shut down; every process the engine started
+                                    killed and waited for (`EngineProcesses`), so none keeps
+                                    memory or the fixed metrics port; its ring buffers released
+    start a new engine              same settings: same generation, rank and store; the model
+                                    process finds its holder full and re-attaches every slice
+                                    (no checkpoint read, no rendezvous, digests checked)
+    coordinator.member_ready        requests again; `engram_engine_restarts` counts it
+
+Only an engine of a one-engine member restarts here. A member whose holder holds nothing
+(a data-parallel gang, FABRIC-only slices) or whose restart fails is reported lost: its
+generation breaks, Serve restarts the whole gang and a new generation starts, as when a
+replica, its GPU or its node is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+logger = logging.getLogger("ray.serve")
+KILL_WAIT_S = 10.0   # how long the dead engine's leftover processes get to exit after SIGKILL
+
+
+class EngineProcesses:
+    """The processes one engine started (EngineCore and everything below it), found right
+    after it started, so that none outlives the engine."""
+
+    def __init__(self, engine_client):
+        import psutil
+
+        manager = getattr(getattr(getattr(engine_client, "engine_core", None), "resources",
+                                  None), "engine_manager", None)
+        self.procs = []
+        for proc in getattr(manager, "processes", None) or []:
+            try:
+                core = psutil.Process(proc.pid)
+                self.procs += [core, *core.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+
+    def kill(self) -> list[int]:
+        """SIGKILL every one still alive and wait for them; the pids of those that would not
+        go (none, unless a process is stuck in the kernel)."""
+        import psutil
+
+        alive = [p for p in self.procs if p.is_running()]
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _, stuck = psutil.wait_procs(alive, timeout=KILL_WAIT_S)
+        return [p.pid for p in stuck]
+
+
+class MemberRestartMixin:
+    """The restart in place of `EngramServerMixin` (module doc)."""
+
+    _restarting = False
+    _restart_error: str | None = None
+
+    def can_restart_in_place(self) -> bool:
+        holder = getattr(self, "_holder", None)
+        return holder is not None and holder.is_full
+
+    def _note_engine_processes(self) -> None:
+        self._engine_processes = EngineProcesses(
+            getattr(getattr(self, "engine", None), "_engine_client", None))
+
+    async def _on_engine_death(self) -> None:
+        """The engine died while serving: restart it in place, or report the member lost."""
+        death = self._engine_death("while serving")
+        reason = death.line() if death is not None else "engine died"
+        if not self.can_restart_in_place() or not await self._coordinator.member_restarting.remote(
+                self._replica_id, reason):
+            await self._report_broken(reason)
+            return
+        self._restarting, started = True, time.monotonic()
+        a = self._assignment
+        self.engram_metrics.set_group(a["generation_index"], False)
+        try:
+            await self._restart_engine()
+        except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
+            self._restart_error = (f"engine of {a['group_id']}-r{a['member_rank']} could not "
+                                   f"restart in place: {type(exc).__name__}: {exc}")
+            logger.error("engram-ray: %s", self._restart_error)
+            await self._report_broken(self._restart_error)
+            return
+        finally:
+            self._restarting = False
+        self._death = None
+        self.engram_metrics.count_engine_restart()
+        self.engram_metrics.set_group(a["generation_index"], True)
+        await self._coordinator.member_ready.remote(self._replica_id, own_actor())
+        logger.warning("engram-ray: engine %s-r%d restarted in place in %.1f s (generation %s, "
+                       "its slices re-attached, not reloaded)", a["group_id"],
+                       a["member_rank"], time.monotonic() - started, a["generation"])
+        self._engine_watch_task = asyncio.get_running_loop().create_task(self._watch_engine())
+
+    async def _restart_engine(self) -> None:
+        from engram_ray.serve.engine_death import EngineWatch
+        from engram_ray.serve.engine_shm import record_segments, release_recorded
+
+        client = getattr(self.engine, "_engine_client", None)
+        if client is not None and hasattr(client, "shutdown"):
+            client.shutdown()
+        stuck = await asyncio.to_thread(self._engine_processes.kill)
+        if stuck:
+            raise RuntimeError(f"processes {stuck} of the dead engine did not exit")
+        await asyncio.to_thread(release_recorded, self._replica_id)
+        watch = self._engine_watch
+        self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
+        self.engine = self._engine_cls(self._llm_config)
+        await self._start_engine()
+        self._note_engine_processes()
+        await self._attach_stat_logger()
+        await self._register_model_process_target()
+        await asyncio.to_thread(record_segments, self._replica_id)
+
+
+def own_actor():
+    """This replica's Ray actor handle (the coordinator pings it), None outside an actor."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
