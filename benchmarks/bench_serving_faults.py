@@ -5,13 +5,16 @@
 Starts the local deployment (`engram_ray.local.deployment`, two CPU engines: `2x1` = two peer
 groups of one engine, `1x2` = one group of two), runs steady traffic (`--concurrency` clients,
 streamed and not, completions and chat; a request counts as served only if its client saw
-finish_reason and [DONE]), kills an EngineCore (kill -9), waits until its group serves a new
-generation, kills a Serve replica (of the other group with 2x1), waits again, then sends the
-malformed-request table (`engram_ray.local.probes`). Writes
+finish_reason and [DONE]), then kills (kill -9), each once the last is over: group-0's
+EngineCore and, in turn, its worker (the member's engine restarts in place, same generation,
+slices re-attached), then a Serve replica (of the other group with 2x1: its gang restarts in a
+new generation); then sends the malformed-request table (`engram_ray.local.probes`). Writes
 `benchmarks/results/serving_faults/latest.md` and a line of its `history.jsonl` (`--results
-DIR` elsewhere): per kill `requests`,
-`lost_silently`, `failed_visibly`, `traffic_off_s`, `recovered_s` and the recovery's parts;
-`malformed_probes`, `malformed_4xx`, `tracebacks_in_bodies`.
+DIR` elsewhere; `--append` adds this layout's table to latest.md instead of replacing it): per
+kill `requests`, `lost_silently`, `failed_visibly`, `running_at_kill_failed`, `window_*`
+(requests sent from the kill until the member or group served again), `traffic_off_s`,
+`recovered_s` and the recovery's parts; `malformed_probes`, `malformed_4xx`,
+`tracebacks_in_bodies`.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
         traffic = Traffic(f"{deployment.url}/v1", deployment.model_id,
                           concurrency=concurrency, max_tokens=max_tokens).start()
         time.sleep(5.0)
-        victims = ["group-0", "group-1" if num_groups > 1 else "group-0"]
+        victims = ["group-0", "group-0", "group-1" if num_groups > 1 else "group-0"]
         kills = []
-        for kind, group in zip(("engine_core", "replica"), victims):
+        for kind, group in zip(("engine_core", "worker", "replica"), victims):
             log(f"killing {kind} of {group} under load")
             kills.append(kill_under_load(deployment, traffic, kind, group))
             log(json.dumps(kills[-1]))
@@ -75,24 +78,34 @@ def markdown(result: dict) -> str:
              f"Traffic: {result['concurrency']} clients back to back, streamed and not, "
              f"completions and chat, {result['max_tokens']} tokens; a request is served only "
              "if its client saw finish_reason and [DONE].", "",
-             "| kill (kill -9) | group | requests | lost silently | failed visibly | "
-             "503 + Retry-After | traffic off (s) | recovered (s) | detection | teardown | "
-             "engine start | first answer |", "| --- " * 12 + "|"]
+             "| kill (kill -9) | group | same generation | requests | lost silently | "
+             "failed visibly | of them sent before the kill | sent until back: answered / "
+             "failed | 503 + Retry-After | traffic off (s) | back serving (s) | detection | "
+             "engine restart | teardown | engine start | first answer |",
+             "| --- " * 16 + "|"]
     for k in result["kills"]:
         r = k["recovery"]
-        lines.append(f"| {k['kind']} | {k['group']} | {k['requests']} | {k['lost_silently']} "
-                     f"| {k['failed_visibly']} | {k['failed_503_retry_after']} | "
-                     f"{k['traffic_off_s']} | {k['recovered_s']} | {r.get('detection_s')} | "
-                     f"{r.get('teardown_s')} | {r.get('engine_start_s')} | "
-                     f"{r.get('first_answer_s')} |")
+        lines.append(f"| {k['kind']} | {k['group']} | {'yes' if k['same_generation'] else 'no'} "
+                     f"| {k['requests']} | {k['lost_silently']} | {k['failed_visibly']} | "
+                     f"{k['running_at_kill_failed']} | {k['window_ok']} / {k['window_failed']} "
+                     f"| {k['failed_503_retry_after']} | {k['traffic_off_s']} | "
+                     f"{k['recovered_s']} | {r.get('detection_s')} | "
+                     f"{r.get('engine_restart_s')} | {r.get('teardown_s')} | "
+                     f"{r.get('engine_start_s')} | {r.get('first_answer_s')} |")
     lines += ["", f"All requests: {result['requests']}, lost silently "
               f"{result['lost_silently']}, failed visibly {result['failed_visibly']}.",
               f"Malformed requests: {result['malformed_probes']} sent, "
               f"{result['malformed_4xx']} answered 4xx, {result['malformed_ok']} with a clean "
               f"short body; tracebacks in bodies: {result['tracebacks_in_bodies']}.", "",
+              "Engine kills (engine_core, worker) restart the member's engine in place: "
+              "detection = kill to the member marked restarting (the ingress stops sending it "
+              "requests at once); engine restart = to the member serving again (dead "
+              "processes reaped, new vLLM engine, slices re-attached from the replica's "
+              "holder). Sent until back: requests sent from the kill until the member (or, for "
+              "a replica, the new generation) served again. "
               "traffic off: from the kill to the start of the last request that still went to "
               "the broken generation or failed other than by the ingress's fail-fast 503. "
-              "Recovery parts (coordinator clock): detection = kill to the generation marked "
+              "Replica kills (coordinator clock): detection = kill to the generation marked "
               "broken (the ingress stops routing there at once); teardown = to the new gang's "
               "first member joining the coordinator (Serve's health checks or its actor-death "
               "notice, stopping the old gang, a fresh replica process importing Ray Serve LLM "
@@ -113,10 +126,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--workdir", default="/tmp/engram-ray-faults")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--append", action="store_true",
+                        help="add this layout's table to latest.md (a run per layout)")
     add_results_argument(parser, "serving_faults")
     args = parser.parse_args()
     result = run(args.layout, args.concurrency, args.max_tokens, args.workdir, args.port)
-    write_results(args.results, result, markdown(result))
+    text = markdown(result)
+    latest = Path(args.results) / "latest.md"
+    if args.append and latest.exists():
+        text = latest.read_text() + "\n" + text
+    write_results(args.results, result, text)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""Faults on a running deployment, measured from the client's side: kill a peer group's
-engine core or its replica under load and see what every client saw.
+"""Faults on a running deployment, measured from the client's side: kill one member's engine
+(its EngineCore or its worker) or its Serve replica under load and see what every client saw.
 
 Used by tests/cpu/local/test_faults.py and benchmarks/bench_serving_faults.py, on the local
 deployment (`engram_ray.local.deployment.LocalDeployment`, this process its Ray driver).
 
     report = kill_under_load(deployment, traffic, "engine_core", "group-0")
 
-Per kill: requests sent, lost silently (must be 0), failed visibly, `traffic_off_s` (from the
-kill to the start of the last request that still went to the broken generation or failed
-other than by the ingress's fail-fast 503), `recovered_s` (until the group's new generation
-answered a request) and the recovery's parts (detection, teardown, engine start, rendezvous,
-first answer) from the coordinator's record of the generations.
+An engine kill ("engine_core", "worker") restarts that member's engine in place, in its
+generation (`engram_ray.serve.member_restart`); a replica kill restarts the group's whole gang
+in a new generation. Per kill: requests sent, lost silently (must be 0), failed visibly,
+`running_at_kill_failed` (failures of requests sent before the kill: those running on the dead
+engine), `window_*` (requests sent from the kill until the member or group served again: every
+one must be answered), `traffic_off_s` (from the kill to the start of the last request that
+still went to the broken generation or failed other than by the ingress's fail-fast 503),
+`recovered_s` and the recovery's parts from the coordinator's record.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import time
 
 from engram_ray.local.loadgen import FAILED, LOST, RequestResult, Traffic
 
-KILL_KINDS = ("engine_core", "replica")
+ENGINE_KINDS = ("engine_core", "worker")   # restarted in place, same generation
+KILL_KINDS = ENGINE_KINDS + ("replica",)   # a replica: its whole gang, a new generation
 
 
 def replica_actors(group_id: str) -> list:
@@ -47,12 +51,17 @@ def engine_core_pid(replica) -> int:
 
 
 def kill(kind: str, group_id: str) -> None:
-    """kill -9 of the EngineCore of `group_id`'s first member, or that member's replica."""
+    """kill -9 of the EngineCore or the worker of `group_id`'s first member, or that member's
+    replica."""
+    import psutil
     import ray
 
     replica = replica_actors(group_id)[0]
     if kind == "engine_core":
         os.kill(engine_core_pid(replica), signal.SIGKILL)
+    elif kind == "worker":
+        (worker, *_) = psutil.Process(engine_core_pid(replica)).children()
+        os.kill(worker.pid, signal.SIGKILL)
     elif kind == "replica":
         ray.kill(replica, no_restart=True)
     else:
@@ -88,39 +97,69 @@ def wait_serving(deployment_name: str, group_id: str, other_than: str | None,
                        f"(last: {routing(deployment_name)[group_id]})")
 
 
+def wait_member_back(deployment_name: str, group_id: str, num_restarts: int,
+                     timeout_s: float) -> dict:
+    """The coordinator's record of `group_id`'s next engine restart in place, once it is
+    ready again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = group_status(deployment_name, group_id)
+        if len(status["restarts"]) > num_restarts:
+            return status["restarts"][num_restarts]
+        if status["broken"]:
+            raise RuntimeError(f"{group_id}: the restart in place failed: {status['broken']}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{group_id}: no member back within {timeout_s:.0f} s")
+
+
 def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
                     settle_s: float = 3.0, recovery_timeout_s: float = 600.0) -> dict:
-    """Kill `kind` in `group_id` while `traffic` runs; wait until the group serves a new
-    generation and `settle_s` more; the figures of module docstring."""
+    """Kill `kind` in `group_id` while `traffic` runs; wait until the member (engine kinds) or
+    the group's new generation (replica) serves and `settle_s` more; the figures of the
+    module docstring."""
     name = deployment.config.deployment.name
     old = routing(name)[group_id]["generation"]
+    num_restarts = len(group_status(name, group_id)["restarts"])
     first = len(traffic.results)
     killed_at, killed_wall = time.monotonic(), time.time()
     kill(kind, group_id)
-    new = wait_serving(name, group_id, other_than=old, timeout_s=recovery_timeout_s)
-    answered = _first_answer(traffic, new, timeout_s=60.0)
+    if kind in ENGINE_KINDS:
+        restart = wait_member_back(name, group_id, num_restarts, recovery_timeout_s)
+        new, back_at = old, killed_at + restart["ready_at"] - killed_wall
+        recovery = {"detection_s": _span(killed_wall, restart["since"]),
+                    "engine_restart_s": _span(restart["since"], restart["ready_at"])}
+    else:
+        new = wait_serving(name, group_id, other_than=old, timeout_s=recovery_timeout_s)
+        back_at = _first_answer(traffic, new, timeout_s=60.0)
+        status = group_status(name, group_id)
+        ended = next(h for h in status["history"] if h["generation"] == old)
+        recovery = _recovery_parts(killed_wall, ended, status, back_at, killed_at)
     time.sleep(settle_s)
     results = traffic.results[first:]
-    status = group_status(name, group_id)
-    ended = next(h for h in status["history"] if h["generation"] == old)
+    window = [r for r in results if killed_at <= r.started_at <= (back_at or time.monotonic())]
     return {"kind": kind, "group": group_id, "old_generation": old, "new_generation": new,
-            "requests": len(results),
+            "same_generation": new == old, "requests": len(results),
             "ok": sum(r.ok for r in results),
             "lost_silently": sum(r.outcome == LOST for r in results),
             "failed_visibly": sum(r.outcome == FAILED for r in results),
+            "running_at_kill_failed": sum(not r.ok for r in results if r.started_at < killed_at),
+            "window_requests": len(window), "window_ok": sum(r.ok for r in window),
+            "window_failed": sum(not r.ok for r in window),
             "failed_503_retry_after": sum(r.status == 503 and r.retry_after is not None
                                           for r in results),
             "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],
-            "traffic_off_s": round(traffic_off_s(results, killed_at, old), 3),
-            "recovered_s": round(answered - killed_at, 1) if answered else None,
-            "recovery": _recovery_parts(killed_wall, ended, status, answered, killed_at)}
+            "traffic_off_s": round(traffic_off_s(results, killed_at,
+                                                 None if new == old else old), 3),
+            "recovered_s": round(back_at - killed_at, 1) if back_at else None,
+            "recovery": recovery}
 
 
-def traffic_off_s(results: list[RequestResult], killed_at: float, old: str) -> float:
+def traffic_off_s(results: list[RequestResult], killed_at: float, old: str | None) -> float:
     """Seconds from the kill to the start of the last request that went to generation `old`
-    or failed other than by the ingress's fail-fast 503 (0 if none did)."""
+    (None: the generation lives on) or failed other than by the ingress's fail-fast 503 (0 if
+    none did)."""
     def went_to_broken(r: RequestResult) -> bool:
-        if r.generation == old:
+        if old is not None and r.generation == old:
             return True
         return not r.ok and not (r.status == 503 and r.retry_after is not None)
     late = [r.started_at - killed_at for r in results

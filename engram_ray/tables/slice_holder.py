@@ -57,9 +57,10 @@ def sampled_digest(rows) -> str:
     slice mapped from the wrong memory or overwritten since it was filled does not match."""
     import torch
 
-    num_rows = rows.shape[0]
-    picks = torch.linspace(0, max(0, num_rows - 1), min(num_rows, DIGEST_ROWS),
-                           device=rows.device).long().unique()
+    num_rows, num_picks = rows.shape[0], min(rows.shape[0], DIGEST_ROWS)
+    # Integer steps: vLLM builds models under a bf16 default dtype, where linspace rounds.
+    picks = (torch.arange(num_picks, dtype=torch.int64, device=rows.device) * (num_rows - 1)
+             // max(1, num_picks - 1))
     sample = rows.index_select(0, picks).cpu().contiguous()
     digest = hashlib.blake2b(digest_size=16)
     digest.update(struct.pack("<qq", *rows.shape))

@@ -2,11 +2,13 @@
 
 Two CPU engines as two peer groups of one engine each, under a load generator that counts a
 request as served only if its client saw it complete (finish_reason and [DONE]): group-0's
-EngineCore is killed (kill -9), then, once it serves again, group-1's Serve replica. Asserted:
-no request lost silently, every failure visible to its client, traffic off the broken group
-within 2 s (the benchmark reports the figure against its 1 s target), the other group serving
-throughout, a table of malformed requests all answered 4xx with short, clean bodies, and
-greedy outputs identical before and after recovery on both groups.
+vLLM worker is killed (kill -9: its engine restarts in place, same generation, slices
+re-attached), then, once it serves again, group-1's Serve replica (a new generation). Asserted:
+no request lost silently, every failure visible to its client, every request sent while the
+worker's engine restarted answered, traffic off the broken group within 2 s (the benchmark
+reports the figure against its 1 s target), the other group serving throughout, a table of
+malformed requests all answered 4xx with short, clean bodies, and greedy outputs identical
+before and after recovery on both groups.
 """
 
 import socket
@@ -70,7 +72,7 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
                       max_tokens=32).start()
     try:
         time.sleep(4.0)
-        kills = [kill_under_load(deployment, traffic, "engine_core", "group-0"),
+        kills = [kill_under_load(deployment, traffic, "worker", "group-0"),
                  kill_under_load(deployment, traffic, "replica", "group-1")]
     finally:
         results = traffic.stop()
@@ -80,6 +82,8 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
     lost = [r for r in results if r.outcome == LOST]
     assert not lost, [(r.error, r.status, r.stream) for r in lost[:5]]
     assert sum(r.outcome == OK for r in results) > 0.8 * len(results)
+    assert kills[0]["same_generation"] and kills[0]["window_failed"] == 0, kills[0]
+    assert kills[0]["window_requests"] > 0 and not kills[1]["same_generation"]
     for k in kills:
         assert k["traffic_off_s"] <= 2.0, k
         assert k["recovery"]["detection_s"] is not None and k["recovery"]["detection_s"] <= 2.0, k
