@@ -118,6 +118,9 @@ class MemberRestartMixin:
         await asyncio.to_thread(release_recorded, self._replica_id)
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
+        # The model's files are on this node since the first start: no download tasks again
+        # (Ray Serve LLM's own switch for it).
+        self._llm_config.get_or_create_callback().ctx.run_init_node = False
         self.engine = self._engine_cls(self._llm_config)
         await self._start_engine()
         self._note_engine_processes()
