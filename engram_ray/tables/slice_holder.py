@@ -24,6 +24,7 @@ descriptors as ancillary data:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -49,6 +50,17 @@ class SliceHolderError(EngramRayError):
 def holder_path(store_dir: str, rank: int) -> str:
     """The socket of member `rank`'s holder in its generation's store folder."""
     return os.path.join(store_dir, f"holder-r{rank}.sock")
+
+
+@contextlib.contextmanager
+def _short(path: str):
+    """`path` as a socket address: a store folder can be deeper than AF_UNIX's 107 bytes, so
+    the folder is opened and named through /proc/self/fd."""
+    folder = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{os.path.basename(path)}"
+    finally:
+        os.close(folder)
 
 
 def sampled_digest(rows) -> str:
@@ -102,13 +114,14 @@ class SliceHolder:
         self._check_folder(store_dir)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._server.bind(self.path)
+            with _short(self.path) as address:
+                self._server.bind(address)
         except OSError as exc:
             self._server.close()
             raise SliceHolderError(
-                f"slice holder {self.path}: cannot listen ({exc}); another replica holds rank "
-                f"{rank} of generation {generation!r}, or one left its socket: the coordinator "
-                "gives each generation a fresh store folder") from exc
+                f"slice holder {self.path}: cannot listen ({exc}); if the socket exists, "
+                f"another replica holds rank {rank} of generation {generation!r} or one left "
+                "it: the coordinator gives each generation a fresh store folder") from exc
         os.chmod(self.path, 0o600)
         self._server.listen(16)
         self._thread = threading.Thread(target=self._serve, daemon=True,
@@ -205,7 +218,8 @@ def _call(path: str, message: dict, fds: list[int] = ()) -> tuple[dict, list[int
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(CLIENT_TIMEOUT_S)
     try:
-        sock.connect(path)
+        with _short(path) as address:
+            sock.connect(address)
         _send(sock, message, fds)
         answer, got = _receive(sock)
     except OSError as exc:

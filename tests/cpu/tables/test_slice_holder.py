@@ -33,7 +33,7 @@ def shm_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def store(tmp_path):
-    path = tmp_path / "store"
+    path = tmp_path / ("deep-store-folder-" * 6)  # past AF_UNIX's 107 bytes with the name
     path.mkdir(mode=0o700)
     return str(path)
 
