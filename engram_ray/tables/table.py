@@ -160,9 +160,20 @@ class EngramTables:
     @classmethod
     def member(cls, layout: EngramLayout, settings: PeerGroupSettings, device: str,
                metrics=None) -> "EngramTables":
-        """This member's tables, none allocated yet (`add_table`), not joined (`join`)."""
-        return cls(layout, settings=settings, memory=make_memory(settings, device),
-                   device=device, metrics=metrics)
+        """This member's tables, none allocated yet (`add_table`), not joined (`join`); or,
+        when its slice holder holds them already (the engine restarted), every table
+        re-attached from the holders and joined (`engram_ray.tables.holding.reattach`)."""
+        from engram_ray.tables import holding
+
+        tables = cls(layout, settings=settings, memory=make_memory(settings, device),
+                     device=device, metrics=metrics)
+        if settings.holders and holding.holds_slices(settings):
+            try:
+                holding.reattach(tables)
+            except BaseException:
+                tables.close()
+                raise
+        return tables
 
     @property
     def size(self) -> int:
@@ -201,7 +212,11 @@ class EngramTables:
     def join(self) -> None:
         """The group's one rendezvous: publish this rank's slices, map every peer's. On failure
         the others are told why (they stop at once) and these tables still own their memory."""
+        from engram_ray.tables import holding
+
         settings, memory = self.settings, self.memory
+        if settings.holders:  # before the rendezvous unlinks or closes what the holder keeps
+            holding.deposit(self)
         started_at, start = time.time(), time.perf_counter()
         rendezvous = Rendezvous(settings.store_dir, settings.generation, settings.size,
                                 settings.rank, settings.timeout_s)
@@ -295,17 +310,12 @@ def open_group_tables(layout: EngramLayout, settings: PeerGroupSettings, *,
     if fill == "checkpoint" and not checkpoint:
         raise ConfigError("checkpoint", "is missing", "a safetensors file or folder for "
                           "fill='checkpoint'")
-    from engram_ray.tables import holding
-
     tables = EngramTables.member(layout, settings, device, metrics)
+    if tables.is_joined:  # re-attached: its engine restarted
+        return tables
     try:
-        if settings.holders and holding.holds_slices(settings):  # an engine restarted
-            holding.reattach(tables)
-            return tables
         for layer_id in layout.layer_ids:
             tables.add_table(layer_id).fill(fill, seed, checkpoint)
-        if settings.holders:
-            holding.deposit(tables)
         tables.join()
         return tables
     except BaseException:

@@ -16,7 +16,9 @@ use_thp=False)` and:
   parameters (strided views of the packed slice) so vLLM's own loader narrows the checkpoint
   to this rank's rows, joins the group once every table of the engine is loaded (the
   `process_weights_after_loading` hook), and looks up with engram-ray's kernel reading peers'
-  rows in place. vLLM's DP split of the table is off (`dp_size = 1`: each engine hashes and
+  rows in place. An engine restarted inside its Serve replica maps every member's slices from
+  their holders instead (`engram_ray.tables.holding`): its tables are joined before vLLM
+  loads weights, and the loader copies no table rows. vLLM's DP split of the table is off (`dp_size = 1`: each engine hashes and
   looks up its own tokens, the model then skips its DP gathers), so engines of several DEP
   deployments can form one group: DP rank d of a deployment is member `rank + d`.
 
@@ -112,6 +114,17 @@ def _join_hook_class():
     return JoinGroupAfterLoading
 
 
+def _keep_reattached_rows(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """vLLM's weight loading of a table whose rows were re-attached from the slice holders:
+    nothing is copied (the slice is mapped read-only and peers read it), only the shape is
+    checked."""
+    rows = loaded_weight.shape[0]
+    start = getattr(param, "engram_vocab_start", 0)
+    if rows < start + param.shape[0] or tuple(loaded_weight.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(f"checkpoint table {tuple(loaded_weight.shape)} does not hold rows "
+                         f"[{start}, {start + param.shape[0]}) of shape {tuple(param.shape)}")
+
+
 def make_peer_embedding_class(base: type) -> type:
     """Subclass of vLLM's `ParallelEngramEmbedding` (see module doc)."""
     # Long because it is a class body: vLLM's base class is known only at patch time, so the
@@ -156,7 +169,9 @@ def make_peer_embedding_class(base: type) -> type:
             self.vocab_end_idx = sum(head_sizes)
             self._views = self._view_src = None
             tables = member_tables(vllm_config, settings)
-            table = tables.add_table(tables.layer_of(num_embeddings, head_sizes))
+            layer_id = tables.layer_of(num_embeddings, head_sizes)
+            reattached = tables.reattach_seconds is not None  # its engine restarted
+            table = tables.tables[layer_id] if reattached else tables.add_table(layer_id)
             object.__setattr__(self, "peer_tables", tables)  # shared, not a submodule
             self.layer_id = table.layer_id
             self.peer_rows = table.rows_per_rank
@@ -166,8 +181,9 @@ def make_peer_embedding_class(base: type) -> type:
             self.weight = nn.Parameter(owned[:, :dim].view(torch.float8_e4m3fn),
                                        requires_grad=False)
             self.weight_scale_inv = nn.Parameter(owned[:, dim:], requires_grad=False)
+            loader = _keep_reattached_rows if reattached else base._weight_loader
             for param in (self.weight, self.weight_scale_inv):
-                set_weight_attrs(param, {"weight_loader": base._weight_loader,
+                set_weight_attrs(param, {"weight_loader": loader,
                                          "engram_vocab_start": table.slice_start})
             self.quant_method = join_hook()
 

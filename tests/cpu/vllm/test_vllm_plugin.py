@@ -143,6 +143,47 @@ def test_peer_table_loads_own_rows_and_looks_up_like_the_whole_table(engram_modu
     assert torch.equal(staged, expected)
 
 
+def test_a_restarted_engine_reattaches_its_tables_from_the_holder(engram_module, tmp_path):
+    """Slice holders on (the Serve replica's): the first engine deposits its loaded slices;
+    once it is gone, a new engine with the same settings maps them from the holder before
+    vLLM loads weights, copies no table rows, and looks up what the first one loaded."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from engram_ray.tables.slice_holder import SliceHolder
+    module, _ = engram_module
+    layout = _layout()
+    (tmp_path / "store").mkdir(mode=0o700)
+    additional = _peer(tmp_path, holders=True)
+    settings = PeerGroupSettings.from_additional_config(additional)
+    holder = SliceHolder(settings.store_dir, settings.generation, 0)
+    config = _vllm_config(additional=additional)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, layout.rows_per_table[0], (9, layout.num_cols), generator=gen)
+    try:
+        first = [_build(module, config, layout, i) for i in range(layout.num_layers)]
+        for table, rows in zip(first, layout.rows_per_table):
+            values = torch.randint(0, 0x7E, (rows, layout.head_dim), dtype=torch.uint8,
+                                   generator=gen)
+            table.weight.weight_loader(table.weight, values.view(torch.float8_e4m3fn))
+        process_weights_after_loading(torch.nn.ModuleList(first), config.model_config,
+                                      torch.device("cpu"))
+        assert holder.is_full and first[0].peer_tables.reattach_seconds is None
+        expected = first[0].forward(ids.to(torch.int32))
+        close_members()  # the first engine is gone
+        again = [_build(module, config, layout, i) for i in range(layout.num_layers)]
+        assert again[0].peer_tables.reattach_seconds is not None
+        zeros = torch.zeros(layout.rows_per_table[0], layout.head_dim, dtype=torch.uint8)
+        again[0].weight.weight_loader(again[0].weight, zeros.view(torch.float8_e4m3fn))
+        with pytest.raises(ValueError, match="does not hold rows"):
+            again[0].weight.weight_loader(again[0].weight, zeros[:5].view(torch.float8_e4m3fn))
+        process_weights_after_loading(torch.nn.ModuleList(again), config.model_config,
+                                      torch.device("cpu"))
+        assert torch.equal(again[0].forward(ids.to(torch.int32)), expected)
+    finally:
+        close_members()
+        holder.close()
+
+
 def test_serve_engines_report_lookups_from_the_model_process(engram_module, tmp_path):
     """`additional_config["engram_metrics"]` (set by the Serve replica) reaches DeepSeek's peer
     tables: the session starts the model-process endpoint, announces it in the target file, and
