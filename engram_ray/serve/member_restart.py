@@ -118,15 +118,40 @@ class MemberRestartMixin:
         await asyncio.to_thread(release_recorded, self._replica_id)
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
-        # The model's files are on this node since the first start: no download tasks again
-        # (Ray Serve LLM's own switch for it).
-        self._llm_config.get_or_create_callback().ctx.run_init_node = False
-        self.engine = self._engine_cls(self._llm_config)
+        self.engine = await _engine_started_off_the_loop(self._engine_cls, self._llm_config)
         await self._start_engine()
         self._note_engine_processes()
         await self._attach_stat_logger()
         await self._register_model_process_target()
         await asyncio.to_thread(record_segments, self._replica_id)
+
+
+async def _engine_started_off_the_loop(engine_cls, llm_config):
+    """A new Ray Serve LLM engine whose vLLM engine config and `AsyncLLM` (engine processes
+    spawned, model loaded: a minute and more on a busy CPU node) are made in a thread, so that
+    `start()` on the event loop only picks them up.
+
+    NOTES: `VLLMEngine.start` makes both synchronously on the replica's event loop, which
+    also answers Serve's health checks; blocked for longer than three health-check timeouts,
+    the replica would be taken for dead and its whole gang restarted. `AsyncLLM` may be made
+    outside a running loop (its tasks start on first use); the two methods are VLLMEngine's
+    own steps, given back their results."""
+    engine = engine_cls(llm_config)
+    ctx = llm_config.get_or_create_callback().ctx
+    # The model's files are on this node since the first start: no download tasks again
+    # (Ray Serve LLM's own switch for it).
+    ctx.run_init_node = False
+    prepare = getattr(engine, "_prepare_engine_config", None)
+    start_llm = getattr(engine, "_start_async_llm_engine", None)
+    if prepare is None or start_llm is None:
+        return engine  # another engine class: it starts on the loop
+    prepared = await asyncio.to_thread(prepare, ctx)
+    engine_args, _, engine_config = prepared
+    client = await asyncio.to_thread(start_llm, engine_args, engine_config,
+                                     ctx.placement_group)
+    engine._prepare_engine_config = lambda _ctx: prepared
+    engine._start_async_llm_engine = lambda *_args: client
+    return engine
 
 
 def own_actor():
