@@ -33,7 +33,8 @@ logger = logging.getLogger("ray.serve")
 RETRY_AFTER_S = 5          # a restarting group serves again after tens of seconds at best
 ROUTING_POLL_S = 10.0      # long-poll timeout of the coordinator's routing table
 # After a failure before the first chunk: how long to wait for the coordinator's word (a
-# member restarting, a group broken) before the request is tried again or the error stands.
+# member restarting, a group broken: a change since the request was sent) before the request
+# is tried again or the error stands.
 BROKEN_WAIT_S = 1.0
 MAX_ATTEMPTS = 4           # tries of one request (each after the routing changed)
 # A group this ingress saw fail is skipped this long unless the coordinator reports a new
@@ -89,6 +90,7 @@ class GroupRouting:
         self.deployment_name = deployment_name
         self.table: dict[str, dict] | None = None  # None: not known yet (route to every group)
         self.lost: dict[tuple[str, str | None], float] = {}  # (group, generation) -> when
+        self.version = 0  # bumped by every change the coordinator reports
         self._updated = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -122,16 +124,23 @@ class GroupRouting:
         self.lost = {(g, gen): at for (g, gen), at in self.lost.items()
                      if table.get(g, {}).get("generation") == gen}
         if changed:
+            self.version += 1
             self._updated.set()
             self._updated = asyncio.Event()
 
-    async def wait_change(self, timeout_s: float) -> bool:
-        """True once the coordinator's routing changes (within `timeout_s`)."""
-        try:
-            await asyncio.wait_for(self._updated.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+    async def wait_change(self, since: int, timeout_s: float) -> bool:
+        """True once the coordinator's routing has changed since `version` was `since`
+        (at once if it has already; else within `timeout_s`)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.version == since:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._updated.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     def generation(self, group_id: str) -> str | None:
         return (self.table or {}).get(group_id, {}).get("generation")
@@ -192,7 +201,7 @@ class PeerGroupIngress(OpenAiIngress):
         tried: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             group_id, handle = self._pick(model_id, tried)
-            generation = self._routing.generation(group_id)
+            generation, seen = self._routing.generation(group_id), self._routing.version
             token = _picked.set(handle)
             try:
                 stream = super()._get_response(body=body, call_method=call_method,
@@ -203,14 +212,14 @@ class PeerGroupIngress(OpenAiIngress):
             except Exception as exc:
                 if not is_group_failure(exc) or attempt == MAX_ATTEMPTS:
                     raise
-                if not await self._routing.wait_change(BROKEN_WAIT_S):
+                if not await self._routing.wait_change(seen, BROKEN_WAIT_S):
                     self._lost(group_id, generation, exc)
                     tried.add(group_id)
                 continue
             finally:
                 _picked.reset(token)
             if (_is_server_error(first) and attempt < MAX_ATTEMPTS
-                    and await self._routing.wait_change(BROKEN_WAIT_S)):
+                    and await self._routing.wait_change(seen, BROKEN_WAIT_S)):
                 logger.warning("engram-ray ingress: a member of %s failed a request before "
                                "its first chunk; trying a member that serves", group_id)
                 await stream.aclose()

@@ -167,13 +167,15 @@ def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
                          "group-1": _route("h.1", serving=False, members=("n0",))})
         assert routing.is_serving("group-0")
         assert ingress.live_replica_ids() == {"m0", "m1"}  # members of serving groups only
-        waiter = asyncio.ensure_future(routing.wait_change(5.0))
+        sent = routing.version  # a request sent now
+        waiter = asyncio.ensure_future(routing.wait_change(sent, 5.0))
         await asyncio.sleep(0.01)
         routing._update({"group-0": _route("g.2", members=("m1",))}, changed=False)
         assert not waiter.done()  # a long poll that timed out is no change
         routing._update({"group-0": _route("g.2", members=("m1",))})
         assert await waiter and ingress.live_replica_ids() == {"m1"}
-        assert not await routing.wait_change(0.01)
+        assert await routing.wait_change(sent, 0.0)  # changed before its failure came back
+        assert not await routing.wait_change(routing.version, 0.01)
     asyncio.run(scenario())
 
 
