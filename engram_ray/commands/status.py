@@ -62,10 +62,12 @@ def format_status(name: str, groups: dict) -> str:
     for gid in sorted(groups):
         g = groups[gid]
         ready = {str(r) for r in g.get("ready_at", {})}
+        restarting = {str(r) for r in g.get("restarting", {})}
         for rank in sorted(g.get("members", {}), key=int):
             member = g["members"][rank]
-            lines.append(f"  {gid} rank {rank}: {member.get('replica_id')} "
-                         f"({'ready' if str(rank) in ready else 'not ready'})")
+            state = ("engine restarting" if str(rank) in restarting
+                     else "ready" if str(rank) in ready else "not ready")
+            lines.append(f"  {gid} rank {rank}: {member.get('replica_id')} ({state})")
     return "\n".join(lines)
 
 

@@ -11,11 +11,12 @@ members were stopped before Serve started the new gang.
     book.member_ready(replica_id)                   # its engine serves (again)
     book.member_restarting(replica_id, why)         # its engine died, restarts in place
     book.break_generation(group_id, generation, why)  # a member lost: stop routing to it
-    book.routing() -> {group_id: {"generation", "serving", "reason", "members"}}
+    book.routing() -> {group_id: {"generation", "serving", "reason", "serving_members",
+                                  "restarting_ranks"}}
 
 A group serves (the ingress sends it requests) while its current generation has had every
 member ready, none lost, and at least one member not restarting; requests go to the members
-that serve (`members`: their replica ids). A member whose engine died but whose replica holds
+that serve (`serving_members`: their replica ids). A member whose engine died but whose replica holds
 its slices restarts that engine in the same generation (engines serve side by side when they
 read the same rows: `engram_ray.tables.holding`); a member lost (its replica, GPU or node, or a
 restart that failed) breaks the generation for good: Serve restarts the whole gang, and the
@@ -179,8 +180,8 @@ class GenerationBook:
                                     if len(gen.ready_at) < size else
                                     "every member's engine is restarting")
             table[gid] = {"generation": gen.generation, "serving": reason is None,
-                          "reason": reason, "members": gen.serving_members(),
-                          "restarting": sorted(gen.restarting)}
+                          "reason": reason, "serving_members": gen.serving_members(),
+                          "restarting_ranks": sorted(gen.restarting)}
         return table
 
     def find_member(self, replica_id: str) -> tuple[str, str, int] | None:

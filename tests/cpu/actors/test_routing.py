@@ -39,12 +39,12 @@ def test_a_group_serves_only_with_every_member_ready_and_none_lost(tmp_path):
     assert book.routing()["group-0"]["reason"] == "1 of 2 members ready"
     assert book.member_ready("m1") == ("group-0", 1)
     assert book.routing()["group-0"] == {"generation": first, "serving": True, "reason": None,
-                                         "members": ["m0", "m1"], "restarting": []}
+                                         "serving_members": ["m0", "m1"], "restarting_ranks": []}
     assert book.break_generation("group-0", first, "member 1: engine died")
     assert not book.break_generation("group-0", first, "again")  # the first reason stays
     assert book.routing()["group-0"] == {"generation": first, "serving": False,
                                          "reason": "member 1: engine died",
-                                         "members": ["m0", "m1"], "restarting": []}
+                                         "serving_members": ["m0", "m1"], "restarting_ranks": []}
     assert not book.member_restarting("m0", "engine died")  # broken: no restart in place
     book.leave("m0")  # Serve stops the survivor: still broken, for the first reason
     assert book.routing()["group-0"]["reason"] == "member 1: engine died"
@@ -67,8 +67,8 @@ def test_a_member_that_stops_breaks_its_generation(tmp_path):
     book.member_ready("a"), book.member_ready("b")
     book.leave("b")
     assert book.routing()["group-1"] == {"generation": gen, "serving": False,
-                                         "reason": "member 1 stopped", "members": ["a"],
-                                         "restarting": []}
+                                         "reason": "member 1 stopped", "serving_members": ["a"],
+                                         "restarting_ranks": []}
 
 
 def test_a_member_restarting_its_engine_keeps_its_group_and_generation(tmp_path):
@@ -79,8 +79,8 @@ def test_a_member_restarting_its_engine_keeps_its_group_and_generation(tmp_path)
     book.member_ready("a"), book.member_ready("b")
     assert book.member_restarting("b", "engine core exited with SIGKILL")
     route = book.routing()["group-0"]
-    assert route == {"generation": gen, "serving": True, "reason": None, "members": ["a"],
-                     "restarting": [1]}
+    assert route == {"generation": gen, "serving": True, "reason": None, "serving_members": ["a"],
+                     "restarting_ranks": [1]}
     assert book.member_restarting("a", "engine died")  # both at once: the group pauses
     assert book.routing()["group-0"]["reason"] == "every member's engine is restarting"
     book.member_ready("b")
@@ -90,7 +90,7 @@ def test_a_member_restarting_its_engine_keeps_its_group_and_generation(tmp_path)
     assert [r["rank"] for r in status["restarts"]] == [1, 0]
     assert status["restarts"][0]["reason"] == "engine core exited with SIGKILL"
     assert status["restarts"][0]["ready_at"] >= status["restarts"][0]["since"]
-    assert book.routing()["group-0"]["members"] == ["a", "b"]
+    assert book.routing()["group-0"]["serving_members"] == ["a", "b"]
 
 
 def test_group_failures_are_told_from_request_errors():
@@ -140,9 +140,9 @@ def test_coordinator_stops_routing_to_a_group_whose_replica_dies(ray_local, tmp_
     poll = coordinator.routing.remote(version, 30.0)
     assert ray.get(coordinator.member_restarting.remote("m1", "engine died"))
     version, table = ray.get(poll)  # the long poll returns at once
-    assert table["group-1"]["restarting"] == [0] and not table["group-1"]["serving"]
+    assert table["group-1"]["restarting_ranks"] == [0] and not table["group-1"]["serving"]
     ray.get(coordinator.member_ready.remote("m1", replicas[1]))
-    assert ray.get(coordinator.routing.remote())[1]["group-1"]["members"] == ["m1"]
+    assert ray.get(coordinator.routing.remote())[1]["group-1"]["serving_members"] == ["m1"]
     ray.get(coordinator.report_broken.remote("m1", "engine died"))
     assert ray.get(coordinator.routing.remote())[1]["group-1"]["reason"] == (
         "member 0: engine died")
@@ -151,7 +151,7 @@ def test_coordinator_stops_routing_to_a_group_whose_replica_dies(ray_local, tmp_
 
 def _route(generation: str, serving: bool = True, members=("m0",)) -> dict:
     return {"generation": generation, "serving": serving, "reason": None if serving else "x",
-            "members": list(members), "restarting": []}
+            "serving_members": list(members), "restarting_ranks": []}
 
 
 def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():

@@ -48,6 +48,11 @@ def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path
         assert lines[3].endswith("no: 0 of 1 members ready")
         assert row0[2].startswith("stat-group-0.") or row0[2] != "-"
         assert lines[4:] == ["  group-0 rank 0: m0 (ready)", "  group-1 rank 0: m1 (not ready)"]
+        assert ray.get(coordinator.member_restarting.remote("m0", "engine died"))
+        lines = status(address, "--name", "stat").stdout.splitlines()
+        assert "  group-0 rank 0: m0 (engine restarting)" in lines
+        assert lines[0] == "deployment stat: 0 of 2 groups serving"
+        ray.get(coordinator.member_ready.remote("m0"))
 
         # a new gang for group-0 opens a new generation: restarts 1, not serving until ready
         ray.get(coordinator.join.remote("group-0", "gang0b", 0, 1, "m0b"))
