@@ -117,8 +117,8 @@ class GroupRouting:
         global _live_replicas
         if table != self.table:
             logger.info("engram-ray ingress: routing %s", {
-                g: f"serving ({len(r['serving_members'])} members)" if r["serving"] else r["reason"]
-                for g, r in table.items()})
+                g: f"serving ({len(r['serving_members'])} members)" if r["serving"]
+                else r["reason"] for g, r in table.items()})
         self.table = table
         _live_replicas = {m for r in table.values() if r["serving"] for m in r["serving_members"]}
         self.lost = {(g, gen): at for (g, gen), at in self.lost.items()
