@@ -7,7 +7,7 @@
       coordinator     generations, store folders, slices, targets      actors/coordinator.py
       per group       one Serve deployment = one gang of P engines,    engram_ray.serve.replica
                       bundles label-selected to the group's domain,
-                      requests only to its members that serve          engram_ray.serve.member_router
+                      requests only to members that serve      engram_ray.serve.member_router
       ingress         OpenAI API, requests spread over the groups      engram_ray.serve.ingress
                       request checks, caps, every error's shape         engram_ray.serve.api_guard
 

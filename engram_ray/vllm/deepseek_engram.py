@@ -18,8 +18,8 @@ use_thp=False)` and:
   `process_weights_after_loading` hook), and looks up with engram-ray's kernel reading peers'
   rows in place. An engine restarted inside its Serve replica maps every member's slices from
   their holders instead (`engram_ray.tables.holding`): its tables are joined before vLLM
-  loads weights, and the loader copies no table rows. vLLM's DP split of the table is off (`dp_size = 1`: each engine hashes and
-  looks up its own tokens, the model then skips its DP gathers), so engines of several DEP
+  loads weights, and the loader copies no table rows. vLLM's DP split of the table is off
+  (`dp_size = 1`: each engine hashes and looks up its own tokens, the model then skips its DP gathers), so engines of several DEP
   deployments can form one group: DP rank d of a deployment is member `rank + d`.
 
 Refused with a peer group: architectures other than DeepseekV41ForCausalLM (Qwen4Exp is
