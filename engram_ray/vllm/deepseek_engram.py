@@ -20,7 +20,8 @@ use_thp=False)` and:
   their holders instead (`engram_ray.tables.holding`): its tables are joined before vLLM
   loads weights, and the loader copies no table rows. vLLM's DP split of the table is off
   (`dp_size = 1`: each engine hashes and looks up its own tokens, the model then skips its
-  DP gathers), so engines of several DEP deployments can form one group: DP rank d of a deployment is member `rank + d`.
+  DP gathers), so engines of several DEP deployments can form one group: DP rank d of a
+  deployment is member `rank + d`.
 
 Refused with a peer group: architectures other than DeepseekV41ForCausalLM (Qwen4Exp is
 excluded for now), tensor or pipeline parallel size > 1, `cpu_offload=true`, a cross-node
