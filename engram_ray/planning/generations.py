@@ -17,8 +17,8 @@ members were stopped before Serve started the new gang.
 A group serves (the ingress sends it requests) while its current generation has had every
 member ready, none lost, and at least one member not restarting; requests go to the members
 that serve (`serving_members`: their replica ids). A member whose engine died but whose
-replica holds its slices restarts that engine in the same generation (engines serve side by side when they
-read the same rows: `engram_ray.tables.holding`); a member lost (its replica, GPU or node, or a
+replica holds its slices restarts that engine in the same generation (engines serve side by
+side when they read the same rows: `engram_ray.tables.holding`); a member lost (its replica, GPU or node, or a
 restart that failed) breaks the generation for good: Serve restarts the whole gang, and the
 next gang opens a new generation.
 """

@@ -128,11 +128,16 @@ def _read_from(path: str, offset: int) -> str:
         return ""
 
 
-def engine_core_exit_codes(engine_client) -> dict[str, int | None]:
-    """Exit codes of an AsyncLLM's EngineCore processes (children of this process)."""
+def engine_core_processes(engine_client) -> list:
+    """An AsyncLLM's EngineCore processes (multiprocessing children of this process)."""
     manager = getattr(getattr(getattr(engine_client, "engine_core", None), "resources", None),
                       "engine_manager", None)
-    return {proc.name: proc.exitcode for proc in getattr(manager, "processes", None) or []}
+    return list(getattr(manager, "processes", None) or [])
+
+
+def engine_core_exit_codes(engine_client) -> dict[str, int | None]:
+    """Exit codes of an AsyncLLM's EngineCore processes (children of this process)."""
+    return {proc.name: proc.exitcode for proc in engine_core_processes(engine_client)}
 
 
 class EngineDiedError(EngramRayError):

@@ -36,10 +36,10 @@ class EngineProcesses:
     def __init__(self, engine_client):
         import psutil
 
-        manager = getattr(getattr(getattr(engine_client, "engine_core", None), "resources",
-                                  None), "engine_manager", None)
+        from engram_ray.serve.engine_death import engine_core_processes
+
         self.procs = []
-        for proc in getattr(manager, "processes", None) or []:
+        for proc in engine_core_processes(engine_client):
             try:
                 core = psutil.Process(proc.pid)
                 self.procs += [core, *core.children(recursive=True)]
@@ -71,9 +71,18 @@ class MemberRestartMixin:
         holder = getattr(self, "_holder", None)
         return holder is not None and holder.is_full
 
-    def _note_engine_processes(self) -> None:
+    async def _engine_started(self) -> None:
+        """What follows every engine start, the first and each restart: its processes noted,
+        KV-cache capacity and stat logger, the model process's metrics target, its ring
+        buffers recorded."""
+        from engram_ray.serve.engine_shm import record_segments
+
         self._engine_processes = EngineProcesses(
             getattr(getattr(self, "engine", None), "_engine_client", None))
+        await self._attach_stat_logger()
+        await self._register_model_process_target()
+        await asyncio.to_thread(record_segments, self._replica_id)
+        self._segments_recorded_at = time.monotonic()
 
     async def _on_engine_death(self) -> None:
         """The engine died while serving: restart it in place, or report the member lost."""
@@ -107,7 +116,7 @@ class MemberRestartMixin:
 
     async def _restart_engine(self) -> None:
         from engram_ray.serve.engine_death import EngineWatch
-        from engram_ray.serve.engine_shm import record_segments, release_recorded
+        from engram_ray.serve.engine_shm import release_recorded
 
         client = getattr(self.engine, "_engine_client", None)
         if client is not None and hasattr(client, "shutdown"):
@@ -120,10 +129,7 @@ class MemberRestartMixin:
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
         self.engine = await _engine_started_off_the_loop(self._engine_cls, self._llm_config)
         await self._start_engine()
-        self._note_engine_processes()
-        await self._attach_stat_logger()
-        await self._register_model_process_target()
-        await asyncio.to_thread(record_segments, self._replica_id)
+        await self._engine_started()
 
 
 async def _engine_started_off_the_loop(engine_cls, llm_config):
@@ -162,4 +168,3 @@ def own_actor():
         return ray.get_runtime_context().current_actor
     except RuntimeError:
         return None
-

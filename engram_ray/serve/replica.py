@@ -122,13 +122,9 @@ class EngramServerMixin(MemberRestartMixin):
                 from engram_ray.tables.slice_holder import SliceHolder
                 self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
             await self._start_member(a)
-            self._note_engine_processes()
             self.engram_metrics.set_group(a["generation_index"], True,
                                           rendezvous_seconds=time.perf_counter() - joined_at)
-            await self._attach_stat_logger()
-            await self._register_model_process_target()
-            record_segments(self._replica_id)
-            self._segments_recorded_at = time.monotonic()
+            await self._engine_started()
             await self._coordinator.member_ready.remote(self._replica_id, own_actor())
             self._engine_watch_task = asyncio.get_running_loop().create_task(
                 self._watch_engine())

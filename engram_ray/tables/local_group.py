@@ -12,9 +12,11 @@ restart (slice holders on: `engram_ray.tables.slice_holder`).
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -202,3 +204,22 @@ def serve_member(rank: int, layout: EngramLayout, size: int, store_dir: str, gen
                 "reattached": tables.reattach_seconds is not None, "stats": tables.stats()}
     finally:
         tables.close()
+
+
+def wait_ready(control_dir: str, rank: int, count: int = 1, timeout_s: float = 240.0) -> None:
+    """Until `count` processes of `rank` run `serve_member` (their ready files exist)."""
+    deadline = time.monotonic() + timeout_s
+    while len(glob.glob(os.path.join(control_dir, f"ready-{rank}-*"))) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} not ready within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+def kill_member(proc, rank: int, control_dir: str) -> None:
+    """SIGKILL a `serve_member` process of `rank` and wait for it; from then on the others
+    count their rounds as after the kill, and `wait_ready` waits for a new process of `rank`."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+    open(os.path.join(control_dir, "killed"), "w").close()
+    for ready in glob.glob(os.path.join(control_dir, f"ready-{rank}-*")):
+        os.unlink(ready)

@@ -6,28 +6,19 @@ Serve replica) and reads the same bytes. One GPU: both readers map the slice of 
 two GPUs: a group of two, its rank 0 killed and restarted while rank 1 reads on.
 """
 
-import os
-import signal
 import time
 
 import pytest
 import torch
 
 from engram_ray.model.layout import EngramLayout
-from engram_ray.tables.local_group import Members, serve_member
+from engram_ray.tables.local_group import Members, kill_member, serve_member, wait_ready
 from engram_ray.tables.slice_holder import SliceHolder
 
 # ~20K-row buckets: ~0.49M rows per table (122 MiB)
 SMALL = EngramLayout(layer_ids=(1, 14), vocab_size=20_000, max_ngram_size=4, n_heads=8,
                      head_dim=256, compressed_vocab_size=1000, pad_token_id=2)
 READ_AFTER_KILL_S = 10.5
-
-
-def _wait_ready(control, rank: int, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not list(control.glob(f"ready-{rank}-*")):
-        assert time.monotonic() < deadline, f"rank {rank} not ready in {timeout_s} s"
-        time.sleep(0.1)
 
 
 def _kill_read_restart(tmp_path, size: int) -> list:
@@ -42,21 +33,16 @@ def _kill_read_restart(tmp_path, size: int) -> list:
         victim = members.start(0, key=0)
         for rank in range(1, size):
             members.start(rank, key=rank)
-        _wait_ready(control, 0)
+        wait_ready(str(control), 0)
         if size == 1:  # the reader: a second process mapping rank 0's slice from its holder
             members.start(0, key=1)
-            while len(list(control.glob("ready-0-*"))) < 2:
-                time.sleep(0.1)
+            wait_ready(str(control), 0, count=2)
         for rank in range(1, size):
-            _wait_ready(control, rank)
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(30)
-        (control / "killed").touch()
-        for ready in control.glob("ready-0-*"):
-            ready.unlink()
+            wait_ready(str(control), rank)
+        kill_member(victim, 0, str(control))
         time.sleep(READ_AFTER_KILL_S)
         members.start(0, key=2)  # the restarted engine
-        _wait_ready(control, 0)
+        wait_ready(str(control), 0)
         time.sleep(1.0)
         (control / "stop").touch()
         results = members.collect(240)

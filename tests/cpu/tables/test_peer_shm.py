@@ -22,14 +22,6 @@ TINY = EngramLayout(layer_ids=(1, 3), vocab_size=1000, max_ngram_size=3, n_heads
                     head_dim=64, compressed_vocab_size=100, pad_token_id=0)
 
 
-@pytest.fixture
-def shm_dir(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setenv("ENGRAM_RAY_SHM_DIR", str(path))
-    return path
-
-
 def member_env(shm_dir) -> dict:
     return {"ENGRAM_RAY_SHM_DIR": str(shm_dir)}
 

@@ -4,7 +4,6 @@ as in a Serve replica); the peer's reads stay bitwise equal to the reference thr
 nothing is left in the shared-memory folder once the holders close."""
 
 import os
-import signal
 import stat
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from engram_ray.model.layout import EngramLayout
-from engram_ray.tables.local_group import Members, serve_member
+from engram_ray.tables.local_group import Members, kill_member, serve_member, wait_ready
 from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.tables.slice_holder import (SliceHolder, SliceHolderError, deposit, fetch,
                                             holder_path, sampled_digest)
@@ -24,28 +23,10 @@ GENERATION = "holders-1"
 
 
 @pytest.fixture
-def shm_dir(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setenv("ENGRAM_RAY_SHM_DIR", str(path))
-    return path
-
-
-@pytest.fixture
 def store(tmp_path):
     path = tmp_path / ("deep-store-folder-" * 6)  # past AF_UNIX's 107 bytes with the name
     path.mkdir(mode=0o700)
     return str(path)
-
-
-def _wait_for(path_prefix: str, folder: str, timeout_s: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = [f for f in os.listdir(folder) if f.startswith(path_prefix)]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no {path_prefix}* in {folder} within {timeout_s} s")
 
 
 def test_a_killed_member_restarts_from_the_holders_while_its_peer_reads_on(tmp_path, shm_dir,
@@ -59,18 +40,14 @@ def test_a_killed_member_restarts_from_the_holders_while_its_peer_reads_on(tmp_p
     try:
         victim = members.start(0, key=0)
         members.start(1, key=1)
-        _wait_for("ready-0-", str(control))
-        _wait_for("ready-1-", str(control))
+        wait_ready(str(control), 0)
+        wait_ready(str(control), 1)
         assert all(h.is_full for h in holders)
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(30)
-        (control / "killed").touch()
-        for ready in control.glob("ready-0-*"):
-            ready.unlink()
+        kill_member(victim, 0, str(control))
         assert os.listdir(shm_dir) == []  # unlinked at the rendezvous: held by descriptors
         time.sleep(1.0)  # rank 1 keeps reading rank 0's rows from the dead process's memory
         members.start(0, key=2)  # the restarted engine
-        _wait_for("ready-0-", str(control))
+        wait_ready(str(control), 0)
         time.sleep(1.0)
         (control / "stop").touch()
         results = members.collect(120)
