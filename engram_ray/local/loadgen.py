@@ -224,13 +224,15 @@ class Traffic:
 
 
 def probe_generations(base_url: str, model: str, stop, period_s: float = 0.2,
-                      timeout_s: float = 60.0) -> list[tuple[float, str | None]]:
+                      timeout_s: float = 60.0,
+                      answers: list | None = None) -> list[tuple[float, str | None]]:
     """Small non-streamed completions one after another until `stop` (a threading.Event) is
     set: (monotonic time the answer came, its generation id from `system_fingerprint`, or None
-    for a failed request), in answer order."""
+    for a failed request), in answer order. Pass `answers` to watch them arrive from another
+    thread (it is appended to and returned)."""
     import httpx
 
-    answers = []
+    answers = [] if answers is None else answers
     with httpx.Client(timeout=timeout_s) as http:
         while not stop.is_set():
             try:

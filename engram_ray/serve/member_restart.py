@@ -96,7 +96,7 @@ class MemberRestartMixin:
         a = self._assignment
         self.engram_metrics.set_group(a["generation_index"], False)
         try:
-            await self._restart_engine()
+            phases = await self._restart_engine()
         except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
             self._restart_error = (f"engine of {a['group_id']}-r{a['member_rank']} could not "
                                    f"restart in place: {type(exc).__name__}: {exc}")
@@ -110,13 +110,22 @@ class MemberRestartMixin:
         self.engram_metrics.set_group(a["generation_index"], True)
         await self._coordinator.member_ready.remote(self._replica_id, own_actor())
         logger.warning("engram-ray: engine %s-r%d restarted in place in %.1f s (generation %s, "
-                       "its slices re-attached, not reloaded)", a["group_id"],
-                       a["member_rank"], time.monotonic() - started, a["generation"])
+                       "its slices re-attached, not reloaded; %s)", a["group_id"],
+                       a["member_rank"], time.monotonic() - started, a["generation"],
+                       ", ".join(f"{name} {s:.1f} s" for name, s in phases.items()))
         self._engine_watch_task = asyncio.get_running_loop().create_task(self._watch_engine())
 
-    async def _restart_engine(self) -> None:
+    async def _restart_engine(self) -> dict[str, float]:
+        """Stop the dead engine and start a new one; seconds per step."""
         from engram_ray.serve.engine_death import EngineWatch
         from engram_ray.serve.engine_shm import release_recorded
+
+        phases, since = {}, time.monotonic()
+
+        def step(name):
+            nonlocal since
+            now = time.monotonic()
+            phases[name], since = now - since, now
 
         client = getattr(self.engine, "_engine_client", None)
         if client is not None and hasattr(client, "shutdown"):
@@ -125,14 +134,18 @@ class MemberRestartMixin:
         if stuck:
             raise RuntimeError(f"processes {stuck} of the dead engine did not exit")
         await asyncio.to_thread(release_recorded, self._replica_id)
+        step("reap")
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
-        self.engine = await _engine_started_off_the_loop(self._engine_cls, self._llm_config)
+        self.engine = await _engine_started_off_the_loop(self._engine_cls, self._llm_config,
+                                                         step)
         await self._start_engine()
         await self._engine_started()
+        step("serving")
+        return phases
 
 
-async def _engine_started_off_the_loop(engine_cls, llm_config):
+async def _engine_started_off_the_loop(engine_cls, llm_config, step=lambda _name: None):
     """A new Ray Serve LLM engine whose vLLM engine config and `AsyncLLM` (engine processes
     spawned, model loaded: a minute and more on a busy CPU node) are made in a thread, so that
     `start()` on the event loop only picks them up.
@@ -152,9 +165,11 @@ async def _engine_started_off_the_loop(engine_cls, llm_config):
     if prepare is None or start_llm is None:
         return engine  # another engine class: it starts on the loop
     prepared = await asyncio.to_thread(prepare, ctx)
+    step("vllm config")
     engine_args, _, engine_config = prepared
     client = await asyncio.to_thread(start_llm, engine_args, engine_config,
                                      ctx.placement_group)
+    step("engine start")
     engine._prepare_engine_config = lambda _ctx: prepared
     engine._start_async_llm_engine = lambda *_args: client
     return engine

@@ -316,9 +316,9 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     if ray.is_initialized():  # a driver left by an earlier module would refuse a second init
         ray.shutdown()
     ray.init(address=local.ray_address, log_to_driver=False)
-    stop, probe = threading.Event(), {}
-    prober = threading.Thread(target=lambda: probe.update(answers=probe_generations(
-        f"{local.url}/v1", MODEL, stop)))
+    stop, answers = threading.Event(), []
+    prober = threading.Thread(target=probe_generations, args=(f"{local.url}/v1", MODEL, stop),
+                              kwargs={"answers": answers})
     try:
         replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
                     if "EngramLLMServer" in a["name"]]
@@ -326,7 +326,11 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
         victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
         traffic = Traffic(f"{local.url}/v1", MODEL, concurrency=8, max_tokens=64).start()
         prober.start()
-        time.sleep(3.0)
+        deadline = time.monotonic() + 120  # the first generation answers before the kill
+        while not any(generation for _, generation in answers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert any(generation for _, generation in answers), answers[-3:]
+        time.sleep(1.0)
         killed_at = time.monotonic()
         ray.kill(victim, no_restart=True)
         recovered_s = _wait_until_serving_generation(local, 2, timeout_s=600) - killed_at
@@ -346,7 +350,7 @@ def test_killed_engine_restarts_its_group_and_serving_resumes(local):
     late = [r for r in failures if r.started_at > killed_at + 2.0]
     assert late and all(r.status == 503 and r.retry_after for r in late), late[:3]
     assert max(r.total_s for r in late) < 5.0  # refused at once, not held
-    (order,) = check_generation_order(probe["answers"]).values()
+    (order,) = check_generation_order(answers).values()
     assert len(order) == 2 and order[1].split(".")[1] == "2", order
     assert len(now) == 2 and now.isdisjoint(a["name"] for a in replicas)  # survivor replaced too
 
