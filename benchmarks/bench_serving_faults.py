@@ -34,7 +34,7 @@ LAYOUTS = {"2x1": (2, 1), "1x2": (1, 2)}
 
 def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int) -> dict:
     from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
-    from engram_ray.local.faults import kill_under_load
+    from engram_ray.local.faults import kill_under_load, reference_answers
     from engram_ray.local.loadgen import LOST, Traffic
     from engram_ray.local.probes import probe_summary, run_probes
 
@@ -49,11 +49,14 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
         traffic = Traffic(f"{deployment.url}/v1", deployment.model_id,
                           concurrency=concurrency, max_tokens=max_tokens).start()
         time.sleep(5.0)
+        before = list(traffic.results)
+        reference = reference_answers(before)
         victims = ["group-0", "group-0", "group-1" if num_groups > 1 else "group-0"]
         kills = []
         for kind, group in zip(("engine_core", "worker", "replica"), victims):
             log(f"killing {kind} of {group} under load")
-            kills.append(kill_under_load(deployment, traffic, kind, group))
+            kills.append(kill_under_load(deployment, traffic, kind, group,
+                                         reference=reference))
             log(json.dumps(kills[-1]))
         results = traffic.stop()
         probes = run_probes(deployment.url, deployment.model_id)
@@ -64,6 +67,9 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
             "num_peer_groups": num_groups, "peer_group_size": size,
             "concurrency": concurrency, "max_tokens": max_tokens,
             "startup_s": round(startup_s, 1), "kills": kills,
+            "answers_before": sum(r.ok for r in before),
+            "answers_before_differing": sum(r.ok and r.text != reference.get(r.chat)
+                                            for r in before),
             "requests": len(results), "lost_silently": sum(r.outcome == LOST for r in results),
             "failed_visibly": sum(not r.ok and r.outcome != LOST for r in results),
             **probe_summary(probes)}
@@ -81,8 +87,8 @@ def markdown(result: dict) -> str:
              "| kill (kill -9) | group | same generation | requests | lost silently | "
              "failed visibly | of them sent before the kill | sent until back: answered / "
              "failed | 503 + Retry-After | traffic off (s) | back serving (s) | detection | "
-             "engine restart | teardown | engine start | first answer |",
-             "| --- " * 16 + "|"]
+             "engine restart | teardown | engine start | first answer | same answer |",
+             "| --- " * 17 + "|"]
     for k in result["kills"]:
         r = k["recovery"]
         lines.append(f"| {k['kind']} | {k['group']} | {'yes' if k['same_generation'] else 'no'} "
@@ -91,9 +97,15 @@ def markdown(result: dict) -> str:
                      f"| {k['failed_503_retry_after']} | {k['traffic_off_s']} | "
                      f"{k['recovered_s']} | {r.get('detection_s')} | "
                      f"{r.get('engine_restart_s')} | {r.get('teardown_s')} | "
-                     f"{r.get('engine_start_s')} | {r.get('first_answer_s')} |")
+                     f"{r.get('engine_start_s')} | {r.get('first_answer_s')} | "
+                     f"{k['answers_checked'] - k['answers_differing']} / "
+                     f"{k['answers_checked']} |")
     lines += ["", f"All requests: {result['requests']}, lost silently "
               f"{result['lost_silently']}, failed visibly {result['failed_visibly']}.",
+              f"Greedy answers (one prompt per endpoint, temperature 0): before the first kill "
+              f"{result['answers_before'] - result['answers_before_differing']} of "
+              f"{result['answers_before']} the same text (the reference); same answer = "
+              "complete answers from the kill on equal to it, token for token.",
               f"Malformed requests: {result['malformed_probes']} sent, "
               f"{result['malformed_4xx']} answered 4xx, {result['malformed_ok']} with a clean "
               f"short body; tracebacks in bodies: {result['tracebacks_in_bodies']}.", "",

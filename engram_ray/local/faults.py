@@ -13,7 +13,10 @@ in a new generation. Per kill: requests sent, lost silently (must be 0), failed 
 engine), `window_*` (requests sent from the kill until the member or group served again: every
 one must be answered), `traffic_off_s` (from the kill to the start of the last request that
 still went to the broken generation or failed other than by the ingress's fail-fast 503),
-`recovered_s` and the recovery's parts from the coordinator's record.
+`recovered_s` and the recovery's parts from the coordinator's record; given the greedy answers
+from before the first kill (`reference_answers`), `answers_checked` and `answers_differing`:
+every complete answer from the kill on, compared token for token (the traffic asks one prompt
+at temperature 0; the split tables give the whole table's answers: tests/cpu/vllm).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import Counter
 
 from engram_ray.local.loadgen import FAILED, LOST, RequestResult, Traffic
 
@@ -112,11 +116,22 @@ def wait_member_back(deployment_name: str, group_id: str, num_restarts: int,
     raise TimeoutError(f"{group_id}: no member back within {timeout_s:.0f} s")
 
 
+def reference_answers(results: list[RequestResult]) -> dict[bool, str]:
+    """The greedy answer of each endpoint (chat or not: their prompts differ) among `results`:
+    the most common complete text; every one of them should be it."""
+    texts: dict[bool, Counter] = {}
+    for r in results:
+        if r.ok:
+            texts.setdefault(r.chat, Counter())[r.text] += 1
+    return {chat: counts.most_common(1)[0][0] for chat, counts in texts.items()}
+
+
 def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
-                    settle_s: float = 3.0, recovery_timeout_s: float = 600.0) -> dict:
+                    settle_s: float = 3.0, recovery_timeout_s: float = 600.0,
+                    reference: dict[bool, str] | None = None) -> dict:
     """Kill `kind` in `group_id` while `traffic` runs; wait until the member (engine kinds) or
     the group's new generation (replica) serves and `settle_s` more; the figures of the
-    module docstring."""
+    module docstring (`reference`: `reference_answers` of the traffic before any kill)."""
     name = deployment.config.deployment.name
     old = routing(name)[group_id]["generation"]
     num_restarts = len(group_status(name, group_id)["restarts"])
@@ -151,7 +166,15 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
             "traffic_off_s": round(traffic_off_s(results, killed_at,
                                                  None if new == old else old), 3),
             "recovered_s": round(back_at - killed_at, 1) if back_at else None,
-            "recovery": recovery}
+            "recovery": recovery, **_compared(results, reference)}
+
+
+def _compared(results: list[RequestResult], reference: dict[bool, str] | None) -> dict:
+    if reference is None:
+        return {}
+    checked = [r for r in results if r.ok and r.chat in reference]
+    return {"answers_checked": len(checked),
+            "answers_differing": sum(r.text != reference[r.chat] for r in checked)}
 
 
 def traffic_off_s(results: list[RequestResult], killed_at: float, old: str | None) -> float:

@@ -8,7 +8,7 @@ no request lost silently, every failure visible to its client, every request sen
 worker's engine restarted answered, traffic off the broken group within 2 s (the benchmark
 reports the figure against its 1 s target), the other group serving throughout, a table of
 malformed requests all answered 4xx with short, clean bodies, and greedy outputs identical
-before and after recovery on both groups.
+before, during and after recovery on both groups.
 """
 
 import socket
@@ -62,7 +62,7 @@ def _greedy_by_group(deployment, num_requests: int = 6) -> dict[str, set[str]]:
 
 def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_group(
         deployment):
-    from engram_ray.local.faults import kill_under_load
+    from engram_ray.local.faults import kill_under_load, reference_answers
 
     before = _greedy_by_group(deployment)
     assert set(before) == {"group-0", "group-1"}, before  # requests alternate over groups
@@ -72,8 +72,9 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
                       max_tokens=32).start()
     try:
         time.sleep(4.0)
-        kills = [kill_under_load(deployment, traffic, "worker", "group-0"),
-                 kill_under_load(deployment, traffic, "replica", "group-1")]
+        greedy = reference_answers(traffic.results)
+        kills = [kill_under_load(deployment, traffic, kind, group, reference=greedy)
+                 for kind, group in (("worker", "group-0"), ("replica", "group-1"))]
     finally:
         results = traffic.stop()
     for k in kills:
@@ -85,6 +86,8 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
     assert kills[0]["same_generation"] and kills[0]["window_failed"] == 0, kills[0]
     assert kills[0]["window_requests"] > 0 and not kills[1]["same_generation"]
     for k in kills:
+        # Every complete answer, during and after each recovery, token-identical.
+        assert k["answers_checked"] > 0 and k["answers_differing"] == 0, k
         assert k["traffic_off_s"] <= 2.0, k
         assert k["recovery"]["detection_s"] is not None and k["recovery"]["detection_s"] <= 2.0, k
         assert k["recovered_s"] is not None, k
