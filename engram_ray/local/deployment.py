@@ -39,6 +39,8 @@ class LocalOptions:
     num_peer_groups: int | None = None
     peer_group_size: int | None = None
     name: str | None = None  # deployment.name (its shared memory and store are named by it)
+    # serving.metrics_port: fixed /metrics ports from this base (the YAML's 0: free ports).
+    metrics_port: int | None = None
 
 
 def log(text: str) -> None:
@@ -70,6 +72,8 @@ class LocalDeployment:
             args["deployment"]["peer_group_size"] = opts.peer_group_size
         if opts.name is not None:
             args["deployment"]["name"] = opts.name
+        if opts.metrics_port is not None:
+            args["serving"]["metrics_port"] = opts.metrics_port
         doc["http_options"]["port"] = opts.port
         self.doc, self.app_name, self.args = doc, app["name"], args
         self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}

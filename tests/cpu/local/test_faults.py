@@ -11,8 +11,12 @@ malformed requests all answered 4xx with short, clean bodies, and greedy outputs
 before, during and after recovery on both groups.
 """
 
+import contextlib
+import json
 import socket
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -29,14 +33,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_block(num_ports: int) -> int:
+    """A base port P with P .. P + num_ports - 1 free on 127.0.0.1."""
+    for _ in range(50):
+        base = _free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + num_ports):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {num_ports} consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     from engram_ray.local.deployment import LocalDeployment, LocalOptions
 
     workdir = tmp_path_factory.mktemp("faults")
+    # Fixed metrics ports (two engines of one node: slots 0 and 1, two endpoints each): a
+    # restarted engine must bind its slot's port again.
     local = LocalDeployment(LocalOptions(workdir=str(workdir), port=_free_port(),
                                          num_peer_groups=2, peer_group_size=1,
-                                         name="faults"))
+                                         name="faults", metrics_port=_free_port_block(4)))
     try:
         local.start()
         local.wait_ready()
@@ -60,6 +81,13 @@ def _greedy_by_group(deployment, num_requests: int = 6) -> dict[str, set[str]]:
     return answers
 
 
+def _metrics_targets(deployment, group_id: str) -> list[str]:
+    """`host:port` of `group_id`'s /metrics endpoints in the deployment's file_sd list."""
+    groups = json.loads(Path(deployment.config.serving.prometheus_targets_file).read_text())
+    return sorted(t for g in groups if g["labels"].get("__meta_engram_peer_group") == group_id
+                  for t in g["targets"])
+
+
 def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_group(
         deployment):
     from engram_ray.local.faults import kill_under_load, reference_answers
@@ -67,6 +95,8 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
     before = _greedy_by_group(deployment)
     assert set(before) == {"group-0", "group-1"}, before  # requests alternate over groups
     (reference,) = set.union(*before.values())
+    ports = _metrics_targets(deployment, "group-0")
+    assert len(ports) == 2, ports  # the replica's endpoint and the model process's
 
     traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=6,
                       max_tokens=32).start()
@@ -99,6 +129,11 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
 
     after = _greedy_by_group(deployment)
     assert set(after) == {"group-0", "group-1"} and set.union(*after.values()) == {reference}
+    # The restarted engine's model process bound its slot's fixed port again, and answers.
+    assert _metrics_targets(deployment, "group-0") == ports
+    for target in ports:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as resp:
+            assert b"engram_" in resp.read()
 
 
 def test_every_malformed_request_gets_a_clean_4xx_and_serving_goes_on(deployment):
