@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from engram_ray.errors import EngramRayError
+from engram_ray.private_dirs import private_dir
 from engram_ray.serve.engine_death import EngineDiedError, deaths_dir, read_deaths
 from engram_ray.serve.engine_shm import processes_using, release_recorded
 
@@ -130,7 +131,7 @@ class LocalDeployment:
         from engram_ray.serve.app import build_app
 
         os.environ.update(self.env)
-        os.makedirs(self.options.workdir, exist_ok=True)
+        private_dir(self.options.workdir, "engram-ray local --workdir")
         self.clean_stale()
         self.make_model()
         log("starting Ray on 127.0.0.1 (a new local instance, never an existing cluster)")

@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
+from engram_ray.private_dirs import is_shared_tmp, private_dir
 
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
 # vLLM `additional_config` key telling the model process where to report lookups.
@@ -102,7 +103,10 @@ def write_file_sd(path: str, targets: dict[str, dict]) -> None:
     file on change (inotify), no restart."""
     groups = target_groups(targets)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    if is_shared_tmp(directory):  # anyone could have made it first: it must be ours alone
+        private_dir(directory, "serving.prometheus_targets_file folder")
+    else:  # the operator's folder: Prometheus may read it as another user
+        os.makedirs(directory, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_sd.", suffix=".json")
     with os.fdopen(fd, "w") as out:
         json.dump(groups, out, indent=1)
@@ -172,8 +176,9 @@ def start_process_metrics(additional_config) -> EngineMetrics | None:
                                            int(raw["rank"])))
     metrics.serve(raw.get("bind_address", DEFAULT_BIND_ADDRESS), int(raw.get("port") or 0),
                   advertise_host=raw.get("advertise_host"))
-    directory = os.path.dirname(os.path.abspath(raw["target_file"]))
-    os.makedirs(directory, exist_ok=True)
+    # Private: a target planted there would be scraped and labelled as an engine.
+    directory = private_dir(os.path.dirname(os.path.abspath(raw["target_file"])),
+                            "model metrics targets folder")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_target.")
     with os.fdopen(fd, "w") as out:
         json.dump({"target": metrics.server.target, "pid": os.getpid()}, out)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engram_ray.model.layout import EngramLayout
 from engram_ray.planning.memory import slice_range
+from engram_ray.private_dirs import private_dir
 
 MAX_GENERATION_CHARS = 64  # tables.settings.PeerGroupSettings accepts [A-Za-z0-9._-]{1,64}
 _INVALID = re.compile(r"[^A-Za-z0-9._-]")
@@ -64,11 +65,9 @@ def slices_of(layout: EngramLayout, rank: int, size: int) -> tuple[TableSlice, .
 
 
 def create_store_dir(store_dir: str) -> str:
-    """Create a generation's store folder 0700 (parents 0700 too); it must not exist yet."""
-    os.makedirs(os.path.dirname(store_dir), mode=0o700, exist_ok=True)
-    os.mkdir(store_dir, 0o700)  # FileExistsError: a generation is never reused
-    os.chmod(store_dir, 0o700)  # mkdir honours the umask; the store must be private
-    return store_dir
+    """Create a generation's store folder 0700 (parents 0700 too, `private_dir`); it must not
+    exist yet (FileExistsError: a generation is never reused)."""
+    return private_dir(store_dir, "peer_group_store folder", exist_ok=False)
 
 
 def remove_store_dir(store_dir: str | None) -> None:

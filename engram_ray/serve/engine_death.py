@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engram_ray.errors import EngramRayError
+from engram_ray.private_dirs import private_dir
 
 # vllm/v1/executor/multiproc_executor.py, vllm/v1/engine/utils.py (vLLM 0.32-0.33)
 _WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
@@ -167,7 +168,7 @@ def deaths_dir(store_root: str, deployment_name: str) -> Path:
 
 
 def record_death(folder: Path, replica_id: str, death: EngineDeath) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder, "engine deaths folder")
     tmp = folder / f".{replica_id}.tmp"
     tmp.write_text(json.dumps(asdict(death)))
     os.replace(tmp, folder / f"{replica_id}.json")

@@ -4,6 +4,11 @@ with its replica, and a killed engine cannot, so these files outlive the run. A 
 the segments its engine maps once it runs (`record_segments`) and releases them when it stops;
 the local deployment releases every recorded segment when it starts and stops
 (`release_recorded`). A segment that a live process still maps or holds open is never removed.
+
+Records live in a private folder (`engram_ray.private_dirs`), and a record is still only a
+list of names: a segment is unlinked only when it is one of this user's own regular files
+directly in /dev/shm with a name Python's shared_memory makes (`is_own_segment`), whatever
+path a record gives.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ from __future__ import annotations
 import glob
 import json
 import os
-import tempfile
+import re
+import stat
 import time
 from pathlib import Path
 
-RECORDS = Path(tempfile.gettempdir(), "engram-ray", "engine-shm")
-SEGMENT_PREFIX = "/dev/shm/psm_"  # Python's multiprocessing.shared_memory names
+from engram_ray.private_dirs import PROJECT_TMP, private_dir
+
+RECORDS = Path(PROJECT_TMP, "engine-shm")
+# psm_ + token_hex (multiprocessing.shared_memory._make_filename): nothing else, no "/" or "..".
+SEGMENT_NAME = re.compile(r"/dev/shm/psm_[0-9a-f]{8,32}")
 
 
 def _mapped_path(line: str) -> str:
@@ -74,13 +83,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def is_own_segment(path) -> bool:
+    """True for a segment engram-ray may remove: named as `SEGMENT_NAME`, a regular file (not a
+    symlink) of this user."""
+    if not isinstance(path, str) or not SEGMENT_NAME.fullmatch(path):
+        return False
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
 def mapped_segments(pid: int | None = None) -> list[str]:
     """/dev/shm/psm_* files mapped by process `pid` (default: this one) or its descendants."""
     found: set[str] = set()
     for proc in descendants(pid or os.getpid()):
         try:
             with open(f"/proc/{proc}/maps") as maps:
-                found.update(p for p in map(_mapped_path, maps) if p.startswith(SEGMENT_PREFIX))
+                found.update(p for p in map(_mapped_path, maps) if SEGMENT_NAME.fullmatch(p))
         except OSError:
             continue
     return sorted(found)
@@ -89,8 +110,7 @@ def mapped_segments(pid: int | None = None) -> list[str]:
 def record_segments(owner: str, pid: int | None = None) -> Path:
     """Add the segments `pid`'s process tree maps now to RECORDS/<owner>.json (an engine
     creates some only once it serves, so a replica records again while it runs)."""
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    record = RECORDS / f"{owner}.json"
+    record = Path(private_dir(RECORDS, "engine shared-memory records"), f"{owner}.json")
     try:
         known = set(json.loads(record.read_text()))
     except (OSError, ValueError):
@@ -104,9 +124,10 @@ def record_segments(owner: str, pid: int | None = None) -> Path:
 
 
 def release_segments(paths: list[str]) -> list[str]:
-    """Unlink those of `paths` that exist and no other live process uses; returns the ones
-    kept (still in use)."""
-    in_use = _users([path for path in paths if os.path.exists(path)])
+    """Unlink those of `paths` that are this user's segments (`is_own_segment`) and no other
+    live process uses; returns the ones kept (still in use). Other paths are left alone."""
+    paths = [path for path in paths if is_own_segment(path)]
+    in_use = _users(paths)
     for path in paths:
         if path not in in_use:
             try:
@@ -123,10 +144,12 @@ def release_recorded(owner: str | None = None, wait_s: float = 0.0) -> list[str]
     deadline = time.monotonic() + wait_s
     while True:
         records = {}
+        private_dir(RECORDS, "engine shared-memory records")
         for record in RECORDS.glob(f"{owner}.json" if owner else "*.json"):
             try:
-                records[record] = json.loads(record.read_text())
-            except (OSError, ValueError):  # half-written by a replica killed while writing
+                records[record] = [s for s in json.loads(record.read_text())
+                                   if isinstance(s, str)]
+            except (OSError, ValueError, TypeError):  # half-written by a killed replica
                 records[record] = []
         kept = set(release_segments(sorted({s for segments in records.values()
                                             for s in segments})))

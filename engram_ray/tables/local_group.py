@@ -27,6 +27,7 @@ import torch
 from engram_ray.model.layout import EngramLayout
 from engram_ray.model.reference import lookup_reference
 from engram_ray.model.synthetic import synthetic_rows
+from engram_ray.private_dirs import private_dir
 from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.tables.table import open_group_tables
 
@@ -108,7 +109,7 @@ class Members:
 def file_barrier(directory: str, name: str, rank: int, ranks: list[int],
                  timeout_s: float = 120.0) -> None:
     """Wait until every rank in `ranks` has reached barrier `name` (files in `directory`)."""
-    os.makedirs(directory, exist_ok=True)
+    private_dir(directory, "barrier folder")
     open(os.path.join(directory, f"{name}-{rank}"), "w").close()
     deadline = time.monotonic() + timeout_s
     while not all(os.path.exists(os.path.join(directory, f"{name}-{r}")) for r in ranks):

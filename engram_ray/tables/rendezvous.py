@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from engram_ray.errors import EngramRayError
+from engram_ray.private_dirs import check_private, private_dir
 
 STORE_FILE = "rendezvous.filestore"
 _POLL_START_S = 0.001
@@ -36,35 +36,16 @@ class RendezvousError(EngramRayError):
 
 def prepare_store_dir(store_dir: str) -> str:
     """Create `store_dir` 0700 (or check an existing one) and the store file 0600; its path."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(store_dir)), exist_ok=True)
-        os.mkdir(store_dir, 0o700)
-    except FileExistsError:
-        pass
-    _check_private(store_dir, 0o700, "directory")
+    private_dir(store_dir, "peer_group_store directory", RendezvousError)
     path = os.path.join(store_dir, STORE_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        _check_private(path, 0o600, "file", os.fstat(fd))
+        # It holds exported GPU memory handles: a key to every member's slice.
+        check_private(path, "peer_group_store file", "file", 0o600, os.fstat(fd),
+                      RendezvousError)
     finally:
         os.close(fd)
     return path
-
-
-def _check_private(path: str, mode: int, kind: str, st=None) -> None:
-    st = st or os.stat(path, follow_symlinks=False)
-    expect_dir = kind == "directory"
-    if stat.S_ISDIR(st.st_mode) != expect_dir or stat.S_ISLNK(st.st_mode):
-        raise RendezvousError(f"peer_group_store {path} is not a plain {kind}: use a fresh path")
-    if st.st_uid != os.getuid():
-        raise RendezvousError(
-            f"peer_group_store {kind} {path} belongs to uid {st.st_uid}, not this user "
-            f"({os.getuid()}): every member of a group must run as one user; use a fresh path")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise RendezvousError(
-            f"peer_group_store {kind} {path} has mode {stat.S_IMODE(st.st_mode):04o}, expected "
-            f"{mode:04o} (it will hold exported GPU memory handles): run `chmod {mode:o} {path}` "
-            "or use a fresh path")
 
 
 class Rendezvous:

@@ -30,11 +30,11 @@ import json
 import logging
 import os
 import socket
-import stat
 import struct
 import threading
 
 from engram_ray.errors import EngramRayError
+from engram_ray.private_dirs import check_private
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 1 << 20
@@ -111,7 +111,7 @@ class SliceHolder:
         self.slices: list[dict] = []
         self.fds: list[int] = []
         self._lock = threading.Lock()
-        self._check_folder(store_dir)
+        check_private(store_dir, "slice holder folder", error=SliceHolderError)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with _short(self.path) as address:
@@ -127,14 +127,6 @@ class SliceHolder:
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"engram-slice-holder-r{rank}")
         self._thread.start()
-
-    @staticmethod
-    def _check_folder(store_dir: str) -> None:
-        st = os.stat(store_dir, follow_symlinks=False)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise SliceHolderError(
-                f"slice holder folder {store_dir} must be a directory of this user ({os.getuid()}) "
-                f"with mode 0700, found uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):04o}")
 
     @property
     def is_full(self) -> bool:

@@ -2,6 +2,7 @@
 shut down: a replica records the segments its process tree maps, and they are removed once no
 live process uses them (never before). Real processes and real POSIX shared memory."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import textwrap
 
 import pytest
 
+from engram_ray.private_dirs import UnsafeFolderError
 from engram_ray.serve import engine_shm
 
 # A child that maps a segment the way vLLM's executor does (multiprocessing.shared_memory),
@@ -58,8 +60,41 @@ def test_segments_of_a_process_tree_are_found_recorded_and_released_once_unused(
 
 def test_an_unreadable_record_is_dropped_and_segments_of_others_stay(child, tmp_path):
     proc, path = child
-    engine_shm.RECORDS.mkdir(parents=True)
+    engine_shm.RECORDS.mkdir(mode=0o700)
     (engine_shm.RECORDS / "half-written.json").write_text("[\"/dev/shm/psm_")
     assert engine_shm.release_recorded() == []
     assert not list(engine_shm.RECORDS.iterdir())
     assert os.path.exists(path)  # never recorded: not engram-ray's to remove
+
+
+def test_only_own_psm_segments_in_dev_shm_are_ever_unlinked(child, tmp_path):
+    """A record is a list of names: whatever it names, only this user's /dev/shm/psm_* files
+    go (a planted record must not make the Ray user delete its files)."""
+    proc, path = child
+    proc.kill()
+    proc.wait()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    link = "/dev/shm/psm_%s" % os.urandom(4).hex()
+    os.symlink(victim, link)
+    try:
+        names = [str(victim), "/dev/shm/psm_../../" + str(victim), "/dev/shm/other", link,
+                 path, 7]
+        assert [engine_shm.is_own_segment(n) for n in names] == [False] * 4 + [True, False]
+        record = engine_shm.record_segments("replica-2", proc.pid)  # makes the private folder
+        record.write_text(json.dumps(names))
+        assert engine_shm.release_recorded() == []
+        assert victim.read_text() == "keep me" and os.path.islink(link)
+        assert not os.path.exists(path)
+    finally:
+        os.unlink(link)
+
+
+def test_an_open_records_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_shm, "RECORDS", tmp_path / "records")
+    (tmp_path / "records").mkdir()
+    os.chmod(tmp_path / "records", 0o777)
+    with pytest.raises(UnsafeFolderError, match="has mode 0777, expected 0700"):
+        engine_shm.release_recorded()
+    with pytest.raises(UnsafeFolderError, match="has mode 0777"):
+        engine_shm.record_segments("replica-3")

@@ -115,7 +115,7 @@ def test_holders_refuse_what_is_not_theirs(tmp_path, store):
     with pytest.raises(SliceHolderError, match="its replica is gone"):
         fetch(path, GENERATION)
     os.chmod(store, 0o755)
-    with pytest.raises(SliceHolderError, match="mode 0700"):
+    with pytest.raises(SliceHolderError, match="has mode 0755, expected 0700"):
         SliceHolder(store, GENERATION, 0)
 
 
