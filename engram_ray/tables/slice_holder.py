@@ -1,4 +1,5 @@
-"""Slice holders: what keeps a member's table slices alive while its engine restarts.
+"""Slice holders: how a member's table slices reach its peers, and what keeps them alive while
+its engine restarts.
 
 A member's slices are made by its engine's model process (an shm file, or `cuMemCreate` on a
 GPU), and that process can die while the member's Serve replica lives on. So once its slices
@@ -9,6 +10,11 @@ open descriptor keeps the memory alive with no CUDA context (checked on an H200:
 the replica needs none. A restarted engine asks every member's holder of its generation for
 their descriptors and maps them (`EngramTables.reattach`): no checkpoint read, no rendezvous;
 every slice's digest must match the one kept at fill before the engine serves.
+
+Peers take a member's slices from its holder at the rendezvous too (`EngramTables.join`):
+descriptors pass between processes of one user over the socket, so no engine lets others
+ptrace it to take them. A member without a holder in its replica (DP gangs, benchmarks) runs
+one in its engine process for the rendezvous only (`engram_ray.tables.holding.offered`).
 
 Transport: one Unix socket per member, `<store_dir>/holder-r<rank>.sock`, inside the
 generation's 0700 store folder; descriptors travel as SCM_RIGHTS; a client of another uid is
@@ -168,27 +174,41 @@ class SliceHolder:
             _send(conn, {"ok": False, "error": f"unknown op {op!r}"})
 
     def _deposit(self, request: dict, fds: list[int]) -> dict:
-        slices = request.get("slices") or []
+        if request.get("rank") != self.rank:
+            _close_all(fds)
+            return {"ok": False, "error": f"rank {request.get('rank')} deposited at the holder "
+                                          f"of rank {self.rank}"}
+        try:
+            self.hold(request.get("slices") or [], fds)
+        except SliceHolderError as exc:
+            return {"ok": False, "error": str(exc)}
+        return {"ok": True}
+
+    def hold(self, slices: list[dict], fds: list[int]) -> None:
+        """Keep `fds` (one per slice of `slices`; the holder's from now on, closed on error)."""
         with self._lock:
             error = None
             if self.slices:
                 error = f"rank {self.rank} deposited its slices twice"
-            elif request.get("rank") != self.rank:
-                error = f"rank {request.get('rank')} deposited at the holder of rank {self.rank}"
             elif len(slices) != len(fds) or not fds:
                 error = f"{len(slices)} slices came with {len(fds)} descriptors"
             if error:
                 _close_all(fds)
-                return {"ok": False, "error": error}
-            self.slices, self.fds = list(slices), fds
+                raise SliceHolderError(error)
+            self.slices, self.fds = list(slices), list(fds)
         logger.info("engram-ray slice holder r%d holds %d slices (%.1f MiB) of generation %s",
                     self.rank, len(slices), sum(s["nbytes"] for s in slices) / 2**20,
                     self.generation)
-        return {"ok": True}
 
     def close(self) -> None:
         """Stop serving and drop the descriptors (the memory goes once no engine maps it)."""
+        try:  # wakes the thread blocked in accept() (a close alone does not, on Linux)
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._server.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -210,22 +210,24 @@ class EngramTables:
             self.join()
 
     def join(self) -> None:
-        """The group's one rendezvous: publish this rank's slices, map every peer's. On failure
-        the others are told why (they stop at once) and these tables still own their memory."""
+        """The group's one rendezvous: publish this rank's record, map every peer's slices
+        (from their holders, or FABRIC handles from the records). On failure the others are
+        told why (they stop at once) and these tables still own their memory."""
         from engram_ray.tables import holding
 
         settings, memory = self.settings, self.memory
-        if settings.holders:  # before the rendezvous unlinks or closes what the holder keeps
-            holding.deposit(self)
         started_at, start = time.time(), time.perf_counter()
         rendezvous = Rendezvous(settings.store_dir, settings.generation, settings.size,
                                 settings.rank, settings.timeout_s)
         try:
             slices = {str(lid): [t.slice_start, t.slice_end] for lid, t in self.tables.items()}
-            records = rendezvous.gather(dict(memory.describe(), slices=slices,
-                                             fingerprint=self.layout.fingerprint()))
-            memory.map_peers(records)
-            rendezvous.finish()
+            with holding.offered(self):  # until every peer has mapped this rank's slices
+                records = rendezvous.gather(dict(memory.describe(), slices=slices,
+                                                 fingerprint=self.layout.fingerprint()))
+                memory.map_peers(records)
+                if memory.peers_from_holders:
+                    holding.attach_peers(self)
+                rendezvous.finish()
             memory.after_rendezvous()
         except BaseException as exc:
             rendezvous.fail(f"{type(exc).__name__}: {exc}")

@@ -5,17 +5,21 @@ writable) and every peer's slice (mapped from the handle the peer exported). The
 
     mem = Backend(rank=r, size=P, device=..., tag=..., handle_type=None, cross_node=False)
     local = mem.allocate(key, num_rows, row_bytes)   # [num_rows, row_bytes] uint8, fill it
-    record = mem.describe()                          # JSON: host, GPU, handle types, handles
+    fd = mem.holder_fd(key)                          # for this rank's holder (can_hold)
+    record = mem.describe()                          # JSON: host, GPU, handle types, FABRIC
     ... rendezvous publishes `record` and gathers everyone's ...
-    mem.map_peers(records)                           # import + map every peer's slice
+    mem.map_peers(records)                           # checks; FABRIC handles imported
+    mem.attach(rank, key, fd, shape, nbytes)         # each peer's slice from its holder
+                                                     # (peers_from_holders)
     mem.after_rendezvous()                           # every peer has mapped ours
     mem.slices(key) / mem.peer_bases(key)            # what lookups read
     mem.close()                                      # unmap, release; idempotent
 
-A member whose engine may restart also hands each own slice to its holder (`holder_fd`, before
-the rendezvous: `engram_ray.tables.slice_holder`); a restarted engine's fresh backend maps
-every rank's slice, its own included, from the holders' descriptors (`attach`) instead of
-allocating and meeting the group.
+Descriptors travel between the members' processes through their holders' sockets
+(`engram_ray.tables.slice_holder`, `engram_ray.tables.holding`), never by taking them from
+another process: no engine is open to ptrace. A restarted engine's fresh backend maps every
+rank's slice, its own included, from the holders (`attach`) instead of allocating and meeting
+the group.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ class PeerMemory(ABC):
 
     @abstractmethod
     def map_peers(self, records: list[dict]) -> None:
-        """Import and map every other member's slices (records indexed by rank)."""
+        """Check the group's records (indexed by rank) and import what they carry (FABRIC
+        handles); slices that come from holders are mapped by `attach` afterwards."""
 
     def after_rendezvous(self) -> None:
         """Every peer has mapped this rank's slices (nothing to do by default)."""
@@ -88,6 +93,18 @@ class PeerMemory(ABC):
     def peer_bases(self, key: int) -> torch.Tensor:
         """`[size]` int64 device addresses of every rank's slice of `key` (device backends)."""
         raise PeerMemoryError(f"the {self.name} backend has no device addresses")
+
+    @property
+    def can_hold(self) -> bool:
+        """True when `holder_fd` works (a holder can keep this rank's slices and hand them to
+        peers); False for FABRIC-only memory."""
+        return True
+
+    @property
+    def peers_from_holders(self) -> bool:
+        """After `map_peers`: True when the peers' slices come from their holders (`attach`),
+        False when `map_peers` imported them already (FABRIC handles in the records)."""
+        return True
 
     @abstractmethod
     def holder_fd(self, key: int) -> int:

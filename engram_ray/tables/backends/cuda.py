@@ -5,15 +5,14 @@ Allocation requests every handle type this process can use (`usable_handle_types
 after a trial allocation succeeds), or only the requested one (`handle_type`; `cross_node`
 requests FABRIC), failing at construction when this GPU cannot use the request; the group's
 type is the request every member made, else the first type every member offers, so all
-members decide alike from the rendezvous records (`engram_ray.tables.backends.handle_types`). POSIX FDs are
-taken from the exporter with pidfd_getfd; the exporter closes its fds once every peer has
-mapped. Peer slices are mapped with access for this GPU; `peer_bases` is the `[P]` int64 device
-tensor of every rank's slice base, own included, that the lookup kernel reads.
+members decide alike from the rendezvous records (`engram_ray.tables.backends.handle_types`). POSIX FDs
+reach the peers through the members' slice holders (SCM_RIGHTS over a Unix socket:
+`engram_ray.tables.holding`; no engine is open to ptrace); FABRIC handles travel in the records.
+Peer slices are mapped with access for this GPU; `peer_bases` is the `[P]` int64 device tensor
+of every rank's slice base, own included, that the lookup kernel reads.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -21,7 +20,6 @@ from engram_ray.tables.backends import cuda_driver as drv
 from engram_ray.tables.backends.base import PeerMemory, PeerMemoryError, host_identity
 from engram_ray.tables.backends.handle_types import (choose_handle_type, offered_types,
                                                      requested_type)
-from engram_ray.tables.backends.pidfd import allow_fd_takers, pidfd_getfd
 
 
 class _DeviceArray:
@@ -67,11 +65,8 @@ class CudaPeerMemory(PeerMemory):
         except PeerMemoryError:
             drv.driver().cuDevicePrimaryCtxRelease(self.device_idx)  # no close() will follow
             raise
-        if "posix_fd" in self.offered:
-            allow_fd_takers()
         self._own: dict[int, _Mapping] = {}
         self._shapes: dict[int, tuple[int, int]] = {}
-        self._exported_fds: dict[int, int] = {}
         self._peers: dict[int, dict[int, _Mapping]] = {}
         self._bases: dict[int, torch.Tensor] = {}
         self._chosen = ""
@@ -137,22 +132,18 @@ class CudaPeerMemory(PeerMemory):
         handles = {}
         for key, mapping in self._own.items():
             handles[str(key)] = {"nbytes": mapping.nbytes, "shape": list(self._shapes[key]),
-                                 **self._export(key, mapping)}
+                                 **self._export(mapping)}
         uuid = str(torch.cuda.get_device_properties(self.device_idx).uuid)
         return dict(host_identity(), gpu_uuid=uuid, handle_types=list(self.offered),
                     handle_request=self.requested, handles=handles)
 
-    def _export(self, key: int, mapping: _Mapping) -> dict:
-        cu = drv.driver()
-        out = {}
-        for kind in self.offered:
-            shareable = drv.check(cu.cuMemExportToShareableHandle(
-                mapping.handle, drv.handle_type_enum(kind), 0), f"export ({kind})")
-            if kind == "posix_fd":
-                self._exported_fds[key] = out["posix_fd"] = int(shareable)
-            else:
-                out["fabric"] = bytes(shareable.data).hex()
-        return out
+    def _export(self, mapping: _Mapping) -> dict:
+        """The FABRIC handle, if offered (POSIX FDs go through the holders: `holder_fd`)."""
+        if "fabric" not in self.offered:
+            return {}
+        shareable = drv.check(drv.driver().cuMemExportToShareableHandle(
+            mapping.handle, drv.handle_type_enum("fabric"), 0), "export (fabric)")
+        return {"fabric": bytes(shareable.data).hex()}
 
     def map_peers(self, records: list[dict]) -> None:
         gpus = [(r["host"], r["gpu_uuid"]) for r in records]
@@ -160,28 +151,30 @@ class CudaPeerMemory(PeerMemory):
             raise PeerMemoryError(f"two members of the group use one GPU ({gpus}): give each "
                                   "member its own GPU (one engine per GPU)")
         self._chosen = choose_handle_type(records)
+        if self._chosen != "fabric":
+            return  # POSIX FDs: from the peers' holders (`attach`)
         for record in records:
             if record["rank"] == self.rank:
                 continue
             for key_text, handle in record["handles"].items():
-                imported = self._import(record, handle)
+                imported = self._import_fabric(record["rank"], handle["fabric"])
                 self._peers[int(key_text)][record["rank"]] = self._map(
                     imported, handle["nbytes"], 0)
 
-    def _import(self, record: dict, handle: dict):
+    @property
+    def can_hold(self) -> bool:
+        return "posix_fd" in self.offered
+
+    @property
+    def peers_from_holders(self) -> bool:
+        return self._chosen == "posix_fd"
+
+    def _import_fabric(self, rank: int, handle_hex: str):
         cu = drv.driver()
-        kind = drv.handle_type_enum(self._chosen)
-        if self._chosen == "posix_fd":
-            fd = pidfd_getfd(record["pid"], handle["posix_fd"])
-            try:
-                return drv.check(cu.cuMemImportFromShareableHandle(fd, kind),
-                                 f"import of rank {record['rank']}'s slice")
-            finally:
-                os.close(fd)  # the imported handle keeps the allocation alive
         fabric = cu.CUmemFabricHandle()
-        fabric.data = bytes.fromhex(handle["fabric"])
-        return drv.check(cu.cuMemImportFromShareableHandle(fabric, kind),
-                         f"FABRIC import of rank {record['rank']}'s slice")
+        fabric.data = bytes.fromhex(handle_hex)
+        return drv.check(cu.cuMemImportFromShareableHandle(
+            fabric, drv.handle_type_enum("fabric")), f"FABRIC import of rank {rank}'s slice")
 
     def holder_fd(self, key: int) -> int:
         if "posix_fd" not in self.offered:
@@ -203,11 +196,6 @@ class CudaPeerMemory(PeerMemory):
         else:
             self._peers.setdefault(key, {})[rank] = mapping
         self._chosen = "posix_fd"
-
-    def after_rendezvous(self) -> None:
-        for fd in self._exported_fds.values():
-            os.close(fd)
-        self._exported_fds.clear()
 
     def slices(self, key: int) -> list[torch.Tensor]:
         """For inspection: lookups read through `peer_bases`. torch attributes a peer's
@@ -235,8 +223,7 @@ class CudaPeerMemory(PeerMemory):
         # Release everything even if one step fails (a failed peer unmap must not strand
         # tens of GiB of own slices), then raise the first error.
         errors = []
-        steps = [lambda: torch.cuda.synchronize(self.device_idx), self._bases.clear,
-                 self.after_rendezvous]
+        steps = [lambda: torch.cuda.synchronize(self.device_idx), self._bases.clear]
         steps += [m.release for peers in self._peers.values() for m in peers.values()]
         steps += [m.release for m in self._own.values()]
         steps.append(lambda: drv.check(drv.driver().cuDevicePrimaryCtxRelease(self.device_idx),

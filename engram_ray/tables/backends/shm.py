@@ -5,7 +5,8 @@ Files live in `$ENGRAM_RAY_SHM_DIR` (default /dev/shm), named
 rendezvous' last barrier) they are unlinked: the memory lives exactly as long as the mappings,
 so a crashed member leaves nothing behind after that point.
 
-Handle types: slices always travel as file paths (`shm_file`) between processes of one host.
+Handle types: slices always travel as open files (`shm_file`), passed through the members'
+slice holders (`engram_ray.tables.holding`) between processes of one host.
 `handle_type` must stay None and `cross_node` False: "fabric" and "posix_fd" are CUDA handle
 types and a cross-node group cannot share files, so both are refused at construction rather
 than ignored.
@@ -82,28 +83,16 @@ class ShmPeerMemory(PeerMemory):
         return tensor
 
     def describe(self) -> dict:
-        handles = {str(key): {"path": path, "shape": list(self._tensors[key][self.rank].shape)}
-                   for key, path in self._paths.items()}
-        return dict(host_identity(), handle_types=[self.handle_type], handles=handles)
+        return dict(host_identity(), handle_types=[self.handle_type])
 
     def map_peers(self, records: list[dict]) -> None:
+        """Every member on this host: their files come from their holders (`attach`)."""
         own = records[self.rank]
         for record in records:
-            if record["rank"] == self.rank:
-                continue
             if not same_host(own, record):
                 raise PeerMemoryError(
                     f"rank {record['rank']} runs on host {record['host']}, rank {self.rank} on "
                     f"{own['host']}: the shm backend needs one host; use backend='cuda'")
-            for key_text, handle in record["handles"].items():
-                self._map_peer(int(key_text), record["rank"], handle)
-
-    def _map_peer(self, key: int, rank: int, handle: dict) -> None:
-        fd = os.open(handle["path"], os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            self.attach(rank, key, fd, handle["shape"], handle["shape"][0] * handle["shape"][1])
-        finally:
-            os.close(fd)
 
     def holder_fd(self, key: int) -> int:
         if key not in self._paths:

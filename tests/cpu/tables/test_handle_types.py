@@ -8,6 +8,7 @@ use, its context, its uuid), so its constructor, rendezvous record and type choi
 GPU. Members meet through a real rendezvous in threads (`test_rendezvous.py` does the same).
 """
 
+import contextlib
 import os
 import threading
 from types import SimpleNamespace
@@ -217,8 +218,13 @@ def test_cuda_backend_refuses_a_request_this_gpu_cannot_use(tmp_path, gpu):
     assert gpu.released == [1]  # the context it retained is let go
 
 
-def _meet(tmp_path, requests: list[str | None]) -> dict:
-    """Members of one group, each requesting its type, meet (threads); {rank: stats or error}."""
+def _meet(tmp_path, requests: list[str | None], monkeypatch) -> dict:
+    """Members of one group, each requesting its type, meet (threads); {rank: stats or error}.
+    The driver is stubbed and no table allocated: nothing passes through the slice holders."""
+    from engram_ray.tables import holding
+
+    monkeypatch.setattr(holding, "offered", lambda tables: contextlib.nullcontext())
+    monkeypatch.setattr(holding, "attach_peers", lambda tables: None)
     outcome = {}
 
     def member(rank):
@@ -242,13 +248,13 @@ def _meet(tmp_path, requests: list[str | None]) -> dict:
     return outcome
 
 
-def test_group_uses_the_requested_type(tmp_path, gpu):
-    outcome = _meet(tmp_path, ["posix_fd", "posix_fd"])
+def test_group_uses_the_requested_type(tmp_path, gpu, monkeypatch):
+    outcome = _meet(tmp_path, ["posix_fd", "posix_fd"], monkeypatch)
     assert [outcome[r]["handle_type"] for r in (0, 1)] == ["posix_fd", "posix_fd"], outcome
 
 
-def test_group_of_different_requests_fails_naming_them(tmp_path, gpu):
-    outcome = _meet(tmp_path, ["posix_fd", "fabric"])
+def test_group_of_different_requests_fails_naming_them(tmp_path, gpu, monkeypatch):
+    outcome = _meet(tmp_path, ["posix_fd", "fabric"], monkeypatch)
     for rank in (0, 1):
         assert isinstance(outcome[rank], (PeerMemoryError, RendezvousError)), outcome
         assert "by rank: {0: 'posix_fd', 1: 'fabric'}" in str(outcome[rank])
