@@ -14,8 +14,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-HELP = ("check this node for the peer-group table path (GPUs, NVLink, VMM, handles, pidfd, shm) "
-        "and the CPU features vLLM on CPU uses (AVX-512, AMX)")
+HELP = ("check this node for the peer-group table path (vLLM version, GPUs, NVLink, VMM, "
+        "handles, pidfd, shm) and the CPU features vLLM on CPU uses (AVX-512, AMX)")
 THP_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 CAP_SYS_PTRACE_BIT = 19
 
@@ -51,7 +51,24 @@ def run(args) -> int:
 # --- host -------------------------------------------------------------------------------
 
 def host_checks(shm_dir: str) -> list[Check]:
-    return [check_cpu(), check_shm(shm_dir), check_thp(), check_pidfd()]
+    return [check_vllm(), check_cpu(), check_shm(shm_dir), check_thp(), check_pidfd()]
+
+
+def check_vllm() -> Check:
+    """The installed vLLM and whether the DeepSeek-V4.1 patch supports it (the check an engine
+    runs when it installs the patch, engram_ray.vllm.compat; vLLM is read, not imported)."""
+    from engram_ray.vllm.compat import WAIVED, WHAT_TO_DO, installed_vllm, support_problem
+
+    vllm = installed_vllm()
+    if vllm is None:
+        return Check("vLLM", "info", "not installed: the engines need the [gpu] or [cpu] extra")
+    problem = support_problem(vllm)
+    if problem:
+        return Check("vLLM", "fail", f"{problem}: {WHAT_TO_DO}")
+    waived = "".join(f"; {name} waived: {why}"
+                     for name, why in WAIVED.get(vllm.distribution, {}).items())
+    return Check("vLLM", "ok", f"{vllm}: supported by the DeepSeek-V4.1 patch (its assumptions "
+                 f"hold in {vllm.site / 'vllm'}{waived})")
 
 
 def check_cpu() -> Check:

