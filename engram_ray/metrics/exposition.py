@@ -26,6 +26,9 @@ from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.private_dirs import is_shared_tmp, private_dir
 
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
+# `serving.metrics_bind_address` default: this node's own address as Ray reports it (what
+# Prometheus scrapes on a cluster), not every interface; 0.0.0.0 only when configured.
+NODE_ADDRESS = "node"
 # vLLM `additional_config` key telling the model process where to report lookups.
 PROCESS_METRICS_KEY = "engram_metrics"
 METRICS_PORT_FIX = ("another serving.metrics_port (base port P: the engine in slot s of a node "
@@ -45,6 +48,18 @@ def port_name(slot: int, endpoint: str) -> str:
     return f"engram-{slot}" if endpoint == "replica" else f"engram-{slot}-model"
 
 
+def bind_host(bind_address: str, node_ip: str | None = None) -> str:
+    """The address to listen on: `bind_address` as given, or for NODE_ADDRESS `node_ip` (the
+    replica passes `ray.util.get_node_ip_address()`), else this Ray node's address."""
+    if bind_address != NODE_ADDRESS:
+        return bind_address
+    if node_ip:
+        return node_ip
+    import ray  # only here: the model process passes node_ip and never needs Ray
+
+    return ray.util.get_node_ip_address()
+
+
 class _ProcessRegistry:
     """Collector forwarding the process's default registry (vLLM's `vllm:*` series)."""
 
@@ -62,6 +77,7 @@ class MetricsServer:
             self.registry.register(registry)
         if include_process_registry:
             self.registry.register(_ProcessRegistry())
+        bind_address = bind_host(bind_address, advertise_host)
         try:
             self._server, self._thread = start_http_server(port, addr=bind_address,
                                                            registry=self.registry)
@@ -139,6 +155,7 @@ class TargetsServer:
             def log_message(self, *args):  # Prometheus asks every refresh_interval
                 pass
 
+        bind_address = bind_host(bind_address)
         try:
             self._server = http.server.ThreadingHTTPServer((bind_address, port), Handler)
         except OSError as exc:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from engram_ray.config import (DeploymentConfig, _check_choice, _check_number, _check_text, _field,
                                _Section)
 from engram_ray.errors import ConfigError
-from engram_ray.metrics.exposition import DEFAULT_BIND_ADDRESS
+from engram_ray.metrics.exposition import NODE_ADDRESS
 from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
 
 DEVICES = ("cuda", "cpu")
@@ -152,8 +152,11 @@ class ServingConfig(_Section):
                                         "from the freed memory host_kv_cache_gib may use (OS, "
                                         "engine process, Ray object store)")
     num_cpus_per_replica: float = _field(1.0, "CPUs of one replica (and its engine)")
-    metrics_bind_address: str = _field(DEFAULT_BIND_ADDRESS, "address each engine's /metrics "
-                                       "listens on (0.0.0.0 on clusters so Prometheus reaches it)")
+    metrics_bind_address: str = _field(NODE_ADDRESS, "address the engines' /metrics and the "
+                                       "coordinator's http_sd listen on: 'node' (the node's "
+                                       "own address, as Ray reports it: what Prometheus "
+                                       "scrapes), an address (127.0.0.1), or 0.0.0.0 (every "
+                                       "interface, only when asked)")
     metrics_port: int = _field(0, "base port of the engines' /metrics: the engine in slot s "
                                   "of its node (one engine per GPU) serves on metrics_port + 2s "
                                   "and its model process on + 2s + 1 (named engram-<s> and "
