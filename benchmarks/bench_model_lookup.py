@@ -1,9 +1,10 @@
-"""The Engram lookup as vLLM's model calls it, side by side with vLLM 0.33's own kernel.
+"""The Engram lookup as vLLM's model calls it, beside vLLM's own kernel (0.33 or 0.34).
 
 Three callables per case, on the same rows (DeepSeek-V4.1-Flash: 264-byte rows, 24 columns):
-- `vllm`: vLLM 0.33's `_engram_lookup_kernel` launched as `ParallelEngramEmbedding.lookup`
-  does (benchmarks/vllm_engram_ref.py; its own table layout); host tables also `vllm_sorted`
-  (its GB200 path) and `vllm_ms` is the faster of the two;
+- `vllm`: the `--vllm` release's `_engram_lookup_kernel` (default 0.34; the same text in 0.33)
+  launched as `ParallelEngramEmbedding.lookup` does (benchmarks/vllm_engram_ref.py; its own
+  table layout); host tables also `vllm_sorted` (its GB200 path) and `vllm_ms` is the faster
+  of the two;
 - `kernel`: engram-ray's kernel alone, `engram_lookup(ids, into=out)` on contiguous ids;
 - `patch`: `engram_ray.tables.lookup.TableLookup`, the function the DeepSeek patch calls, on
   int32 hashes as one layer's column slice of `[T, 2, 24]`, into a persistent staging buffer
@@ -21,7 +22,8 @@ and of 16 GiB (`dense`, the size of #17's own measurement, reported beside the t
 lookup reads twice the share of its rows, and from 2.4% of a table's rows no launch of ours
 reached vLLM's sorted one; docs/lookup_experiments.md).
 
-Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--quick] [--results DIR]
+Usage: python benchmarks/bench_model_lookup.py --json R.json --md R.md [--vllm 0.33|0.34]
+[--quick] [--results DIR]
 (latest.md and a history.jsonl line go to benchmarks/results/model_lookup/ unless --results
 names another folder; benchmarks/common.py).
 """
@@ -204,7 +206,7 @@ def tables(args):
 def run(args) -> dict:
     torch.cuda.set_device(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kernel = vllm_engram_ref.load_kernel()
+    kernel = vllm_engram_ref.load_kernel(args.vllm)
     tokens = TOKENS[:3:2] + TOKENS[-1:] if args.quick else TOKENS
     cases, host = [], []
     for placement, table_gib, dense, source in tables(args):
@@ -246,6 +248,8 @@ def main() -> None:
                         "(0: none)")
     parser.add_argument("--budget-s", type=float, default=0.1)
     parser.add_argument("--quick", action="store_true", help="3 sizes")
+    parser.add_argument("--vllm", choices=vllm_engram_ref.VERSIONS, default="0.34",
+                        help="the vLLM release whose kernel is the anchor (.vllm_ref/<it>/)")
     parser.add_argument("--placements", nargs="+", default=["hbm", "peer", "host"],
                         choices=["hbm", "peer", "host"])
     add_results_argument(parser, "model_lookup")

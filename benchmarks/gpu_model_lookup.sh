@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The lookup as vLLM's model calls it, on a lent GPU machine (the `run` device tool), from the
-# repository root, carrying `.vllm_ref` (vLLM 0.33.0's engram.py, never committed; here:
-#   pip download --no-deps vllm==0.33.0 -d .tmp/vllm033
-#   unzip -o -j .tmp/vllm033/vllm-0.33.0*.whl 'vllm/models/deepseek_v41/common/engram.py' -d .vllm_ref/
+# repository root, carrying `.vllm_ref` (each supported vLLM release's engram.py, never
+# committed; here, for V in 0.33 and 0.34:
+#   pip download --no-deps vllm==$V.0 -d .tmp/vllm-wheels
+#   unzip -o -j .tmp/vllm-wheels/vllm-$V.0-*.whl 'vllm/models/deepseek_v41/common/engram.py' -d .vllm_ref/$V/
 # with /.vllm_ref/ in .git/info/exclude). Runs the model-lookup GPU tests, a quick pass of the
 # kernel's tests (no regression; skip: TESTS=0) and benchmarks/bench_model_lookup.py. Lands in
 # $OUT: env.txt pytest.log bench.{log,json,md} and model_lookup/latest.md +
 # model_lookup/history.jsonl (copy both over benchmarks/results/model_lookup/).
 # The whole run took 330 s at 63637e3 (32 + 8 GiB host tables); `--placements host` or
 # `--placements hbm peer` split it over two calls.
-# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_model_lookup.sh [--quick] [--placements ...]
+# Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_model_lookup.sh [--vllm 0.33|0.34] [--quick]
+#        [--placements ...]
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 

@@ -48,7 +48,7 @@ def case_rows(placement: str, out: str, rows: int, timed: dict, equal: bool,
     return found
 
 
-def check_targets(cases: list[dict], host_us: dict) -> list[dict]:
+def check_targets(cases: list[dict], host_us: dict, vllm: str) -> list[dict]:
     """Each target with pass/fail and its worst case (the dense host table's cases apart)."""
     cases = [c for c in cases if not c.get("dense")]
     slowest = min(cases, key=lambda c: c["vllm_ms"] / c["patch_ms"])
@@ -57,7 +57,7 @@ def check_targets(cases: list[dict], host_us: dict) -> list[dict]:
     worst_hbm = max(big_hbm, key=lambda c: c["patch_ms"] / c["kernel_ms"], default=None)
     equal = all(c["bitwise_equal_vllm"] for c in cases)
     return [
-        dict(target="patch no slower than vLLM 0.33 (every case)",
+        dict(target=f"patch no slower than vLLM {vllm} (every case)",
              passed=slowest["vllm_ms"] / slowest["patch_ms"] >= 1.0,
              worst=_label(slowest), value=round(slowest["vllm_ms"] / slowest["patch_ms"], 3)),
         dict(target="HBM >= 1M rows, gpu + eager: patch within 3% of the kernel alone",
@@ -101,14 +101,16 @@ def finish(cases: list[dict], host: list[dict], args) -> dict:
                for name in ("vllm", "kernel", "patch", "patch_unfused")
                if any(name in h for h in host)}
     return dict(cases=cases, host_us=host_us, host_us_cases=host,
-                targets=check_targets(cases, host_us), dense_host=dense_worst(cases),
+                targets=check_targets(cases, host_us, args.vllm),
+                dense_host=dense_worst(cases), vllm=args.vllm,
                 **environment(gpu=True), placements=args.placements,
                 hbm_gib=args.hbm_gib, host_gib=args.host_gib,
                 dense_host_gib=args.dense_host_gib, budget_s=args.budget_s)
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Engram lookup as the model calls it vs vLLM 0.33 ({result['device']})", "",
+    vllm = f"vLLM {result.get('vllm', '0.33')}"  # runs before --vllm used 0.33's kernel
+    lines = [f"# Engram lookup as the model calls it vs {vllm} ({result['device']})", "",
              f"{result['date']}, commit {result['commit']}, torch {result['torch']}, Triton "
              f"{result['triton']}; tables: HBM and peer {result['hbm_gib']} GiB (peer: two "
              f"slices on one GPU), pinned host {result['host_gib']} GiB"
@@ -121,7 +123,7 @@ def markdown(result: dict) -> str:
              + (f" Placements in this run: {', '.join(result['placements'])}."
                 if result.get("placements", ["hbm", "peer", "host"]) != ["hbm", "peer", "host"]
                 else ""),
-             "", "| placement | out | rows | mode | vLLM 0.33 | kernel alone | patch | x | "
+             "", f"| placement | out | rows | mode | {vllm} | kernel alone | patch | x | "
              "patch / kernel | bitwise = vLLM |", "| --- | --- | ---: | --- | ---: | ---: | "
              "---: | ---: | ---: | --- |"]
     for c in result["cases"]:
@@ -134,7 +136,7 @@ def markdown(result: dict) -> str:
               "the rounds, their median after the slash where the run kept it; every id set "
               "met before, as vLLM's staging buffers are; `patch, unfused`: the launcher with "
               "no fused graphs, i.e. ids and output at new addresses):", "",
-              "| placement | out | rows | vLLM 0.33 | vLLM 0.33, sorted | kernel alone | patch | "
+              f"| placement | out | rows | {vllm} | {vllm}, sorted | kernel alone | patch | "
               "patch, unfused |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for h in result["host_us_cases"]:
         cells = " | ".join(_host_cell(h, name) for name in ("vllm", "vllm_sorted", "kernel",
@@ -206,7 +208,7 @@ def history_line(result: dict) -> dict:
     """The figures a history.jsonl line keeps (device, date and commit go first)."""
     keys = ("placement", "table_gib", "dense", "out", "rows", "mode", "vllm_ms", "kernel_ms",
             "patch_ms", "bitwise_equal_vllm")
-    return dict(host_us=result["host_us"], targets=result["targets"],
+    return dict(vllm=result.get("vllm"), host_us=result["host_us"], targets=result["targets"],
                 dense_host=result.get("dense_host"),
                 cases=[{k: c[k] for k in keys if k in c} for c in result["cases"]])
 

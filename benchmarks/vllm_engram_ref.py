@@ -1,7 +1,9 @@
-"""vLLM 0.33's own Engram lookup (`_engram_lookup_kernel`), loaded at run time from its wheel's
-`vllm/models/deepseek_v41/common/engram.py` (never committed: `.vllm_ref/engram.py`, from
-`pip download --no-deps vllm==0.33.0` + unzip; see benchmarks/gpu_model_lookup.sh), and
-launched the way `ParallelEngramEmbedding.lookup` launches it.
+"""vLLM's own Engram lookup (`_engram_lookup_kernel`) of a supported release (0.33 or 0.34),
+loaded at run time from its wheel's `vllm/models/deepseek_v41/common/engram.py` (never
+committed: `.vllm_ref/<version>/engram.py`, from `pip download --no-deps vllm==<version>.0` +
+unzip; see benchmarks/gpu_model_lookup.sh), and launched the way
+`ParallelEngramEmbedding.lookup` launches it. The two releases' kernels are the same text
+(benchmarks/results/vllm_compat/ keeps its digest per release).
 
 That file imports vLLM, which the GPU machines lack: only the `@triton.jit` kernel's source is
 taken (by `ast`), written with triton/tl imports into a scratch module and imported (Triton's
@@ -18,28 +20,39 @@ from pathlib import Path
 import torch
 import triton
 
-ENGRAM_FILE = Path(__file__).resolve().parents[1] / ".vllm_ref" / "engram.py"
+REF_DIR = Path(__file__).resolve().parents[1] / ".vllm_ref"
+VERSIONS = ("0.33", "0.34")  # engram_ray.vllm.compat.SUPPORTED["vllm"]
 KERNEL = "_engram_lookup_kernel"
 _HEADER = ("import triton\nimport triton.language as tl\n\n"
            "_SORTED_IS_CONSTEXPR = tl.constexpr(False)  # vLLM: Triton 3.8 on ROCm only\n\n\n")
 
 
-def load_kernel(path: Path = ENGRAM_FILE):
-    """vLLM's `_engram_lookup_kernel` (a Triton JITFunction) from its engram.py."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: unzip it from the vLLM 0.33.0 wheel "
-                                "(benchmarks/gpu_model_lookup.sh says how)")
-    source = path.read_text()
-    tree = ast.parse(source)
-    found = [node for node in tree.body
+def engram_file(version: str) -> Path:
+    """`.vllm_ref/<version>/engram.py`: that release's engram.py, unzipped from its wheel."""
+    if version not in VERSIONS:
+        raise ValueError(f"vLLM {version}: expected one of {VERSIONS}")
+    return REF_DIR / version / "engram.py"
+
+
+def kernel_text(source: str, where: str) -> str:
+    """`_engram_lookup_kernel`'s source, decorators included, from an engram.py's text."""
+    found = [node for node in ast.parse(source).body
              if isinstance(node, ast.FunctionDef) and node.name == KERNEL]
     if not found:
-        raise ValueError(f"{path} has no function {KERNEL}")
+        raise ValueError(f"{where} has no function {KERNEL}")
     node = found[0]
     start = min(d.lineno for d in node.decorator_list) - 1
-    text = "\n".join(source.splitlines()[start:node.end_lineno]) + "\n"
+    return "\n".join(source.splitlines()[start:node.end_lineno]) + "\n"
+
+
+def load_kernel(version: str):
+    """vLLM `version`'s `_engram_lookup_kernel` (a Triton JITFunction) from its engram.py."""
+    path = engram_file(version)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: unzip it from the vLLM {version}.0 wheel "
+                                "(benchmarks/gpu_model_lookup.sh says how)")
     scratch = Path(tempfile.mkdtemp(prefix="vllm_engram_")) / "vllm_engram_kernel.py"
-    scratch.write_text(_HEADER + text)
+    scratch.write_text(_HEADER + kernel_text(path.read_text(), str(path)))
     spec = importlib.util.spec_from_file_location("vllm_engram_kernel", scratch)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -21,8 +21,9 @@ def _case(placement, rows, vllm_ms, patch_ms, table_gib, dense=False, mode="gpu"
 def test_dense_cases_are_reported_beside_the_targets_not_in_them():
     cases = (_case("hbm", 1 << 21, 2.0, 1.0, 16) + _case("host", 1 << 21, 9.0, 8.0, 32)
              + _case("host", 1 << 21, 9.0, 9.3, 8, dense=True))
-    targets = report.check_targets(cases, {"patch": 10.0})
+    targets = report.check_targets(cases, {"patch": 10.0}, "0.34")
     slower = next(t for t in targets if t["target"].startswith("patch no slower"))
+    assert slower["target"] == "patch no slower than vLLM 0.34 (every case)"  # --vllm
     assert slower["passed"] and slower["value"] == round(9.0 / 8.0, 3)
     dense = report.dense_worst(cases)
     assert dense == dict(worst=f"host 8 GiB (dense) packed {1 << 21} rows gpu",
@@ -31,7 +32,7 @@ def test_dense_cases_are_reported_beside_the_targets_not_in_them():
 
 def test_a_slower_case_of_the_main_tables_fails_the_target():
     cases = _case("host", 1 << 21, 9.0, 9.3, 32) + _case("host", 1 << 21, 9.0, 8.0, 8, True)
-    targets = report.check_targets(cases, {"patch": 10.0})
+    targets = report.check_targets(cases, {"patch": 10.0}, "0.33")
     assert not targets[0]["passed"] and targets[0]["worst"] == f"host packed {1 << 21} rows gpu"
     assert report.dense_worst(cases)["cases_below_1"] == 0
 
