@@ -1,7 +1,7 @@
 """KubeRay manifests in cluster_configs/kuberay/: the embedded serveConfigV2 through Ray Serve's
 schema and build_app's config checks, pod templates through the Kubernetes schemas (strict), the
 CRD fields used against the CRDs' field lists, and what the engines need (GPUs for every bundle,
-the store on a ReadWriteMany volume, /dev/shm in memory, domain labels, IMEX or SYS_PTRACE)
+the store on a ReadWriteMany volume, /dev/shm in memory, domain labels, IMEX, no added capability)
 consistent with the Serve config."""
 
 import copy
@@ -287,7 +287,8 @@ def test_domain_labels_reach_ray_start(manifest):
 
 def test_handles_match_the_hardware(manifest):
     """GB300: groups span trays, FABRIC handles need the ComputeDomain's IMEX channel in every
-    engine pod. H200: a group is one pod's 8 GPUs, POSIX FDs need SYS_PTRACE (pidfd_getfd)."""
+    engine pod. H200: a group is one pod's 8 GPUs, POSIX FDs pass over Unix sockets: no
+    container adds a capability (no SYS_PTRACE)."""
     path, docs = manifest
     service = rayservice(docs)
     config = app_config(service)
@@ -302,7 +303,8 @@ def test_handles_match_the_hardware(manifest):
         else:
             assert config.deployment.handle_type == "posix_fd" and "ComputeDomain" not in docs
             assert gpus(container) == config.deployment.peer_group_size
-            assert "SYS_PTRACE" in container["securityContext"]["capabilities"]["add"]
+        capabilities = container.get("securityContext", {}).get("capabilities", {})
+        assert not capabilities.get("add"), capabilities
 
 
 def monitors(docs) -> tuple[dict, dict]:
