@@ -15,7 +15,7 @@
                                generator raised) gets an error event and [DONE]
       uncaught exception       a clean 500 before the response started
 
-    guarded_ingress_app(limits) -> FastAPI    Ray Serve LLM's ingress app (`init()`) with it
+    guarded_ingress_app(limits, max_model_len) -> FastAPI   Ray Serve LLM's ingress app with it
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import logging
 import re
 import uuid
 
-from engram_ray.serve import api_errors, request_checks
+from engram_ray.serve import api_errors, request_caps, request_checks
 from engram_ray.serve.config import RequestLimits
 from engram_ray.serve.request_checks import RequestRefused
 
@@ -36,9 +36,11 @@ MAX_DRAIN_FACTOR = 4  # an oversized declared body is read (and dropped) up to 4
 
 
 class ApiGuard:
-    def __init__(self, app, limits: RequestLimits | None = None):
+    def __init__(self, app, limits: RequestLimits | None = None,
+                 max_model_len: int | None = None):
         self.app = app
         self.limits = limits or RequestLimits()
+        self.max_model_len = max_model_len  # what a choice without max_tokens may generate
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -64,11 +66,11 @@ class ApiGuard:
         raw = await _read_body(receive, _header(scope, b"content-length"),
                                self.limits.max_body_bytes)
         body = request_checks.parse_body(raw)
-        request_checks.check_request(endpoint, body, self.limits)
+        request_caps.check_request(endpoint, body, self.limits, self.max_model_len)
         return raw
 
 
-def guarded_ingress_app(limits: RequestLimits | None = None):
+def guarded_ingress_app(limits: RequestLimits | None = None, max_model_len: int | None = None):
     """Ray Serve LLM's OpenAI ingress FastAPI app (`init()`: its exception handling, CORS,
     metrics and request-id middleware) with `ApiGuard` around everything, Starlette's
     ServerErrorMiddleware included. Pass it to `make_fastapi_ingress(..., app=...)`."""
@@ -81,12 +83,13 @@ def guarded_ingress_app(limits: RequestLimits | None = None):
     # NOTES: Starlette builds the stack on the first request (`build_middleware_stack`);
     # `add_middleware` would put the guard inside ServerErrorMiddleware, whose 500s would
     # then bypass it. The partial pickles with the app (Serve ships the app to replicas).
-    app.build_middleware_stack = functools.partial(_guarded_stack, FastAPI, app, limits)
+    app.build_middleware_stack = functools.partial(_guarded_stack, FastAPI, app, limits,
+                                                   max_model_len)
     return app
 
 
-def _guarded_stack(app_cls, app, limits):
-    return ApiGuard(app_cls.build_middleware_stack(app), limits)
+def _guarded_stack(app_cls, app, limits, max_model_len):
+    return ApiGuard(app_cls.build_middleware_stack(app), limits, max_model_len)
 
 
 async def _validation_error(request, exc):

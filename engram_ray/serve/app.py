@@ -134,7 +134,8 @@ def _ingress(config, engines: dict, deployment_name: str):
     options = deep_merge_dicts(PeerGroupIngress.get_deployment_options([config]),
                                INGRESS_OPTIONS)
     serving = ServeAppConfig.from_dict(config.experimental_configs[APP_CONFIG_KEY]).serving
-    ingress_app = guarded_ingress_app(serving.request_limits)  # checks, caps, error shape
+    # Checks, caps, error shape; max_model_len bounds a request that sets no max_tokens.
+    ingress_app = guarded_ingress_app(serving.request_limits, serving.max_model_len)
     ingress_cls = make_fastapi_ingress(PeerGroupIngress, app=ingress_app)
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={config.model_id: next(iter(engines.values()))},

@@ -105,9 +105,9 @@ def check_llm_options(srv: "ServingConfig") -> None:
 class RequestLimits(_Section):
     """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serve.api_guard`
     before a request reaches an engine; a request over one gets a 400 naming the cap and its
-    limit. `generated tokens = prompts x n x max_tokens` (chat: max_completion_tokens, else
-    max_tokens; a completion without max_tokens counts vLLM's default 16; a chat request without
-    either is bounded by n and the context length only)."""
+    setting. Generated tokens = prompts x n x max_tokens (chat: max_completion_tokens, else
+    max_tokens); without them a completion counts vLLM's default 16 and a chat request what
+    vLLM allows, max_model_len less the prompt, per choice (`engram_ray.serve.request_caps`)."""
 
     max_body_bytes: int = _field(8 * 2**20, "largest request body in bytes (413 above it)")
     max_n: int = _field(8, "largest `n` (choices per prompt)")
@@ -117,6 +117,14 @@ class RequestLimits(_Section):
     max_stop_chars: int = _field(256, "longest `stop` string, in characters")
     max_logprobs: int = _field(20, "largest `logprobs` (completions), `top_logprobs` (chat) "
                                    "and `prompt_logprobs` (vLLM's own default cap)")
+    max_guided_chars: int = _field(32768, "longest guided-decoding constraint, in characters "
+                                          "of its JSON text: guided_json, guided_regex, "
+                                          "guided_grammar, guided_choice, structural_tag, "
+                                          "structured_outputs, response_format's schema")
+    max_logit_bias: int = _field(300, "largest number of `logit_bias` entries (OpenAI's limit)")
+    max_tools: int = _field(128, "largest number of `tools` (OpenAI's limit)")
+    max_min_tokens: int = _field(8192, "largest `min_tokens` (tokens generated before a stop "
+                                       "or EOS may end a choice)")
 
     def __post_init__(self):
         for name in self.describe_fields():

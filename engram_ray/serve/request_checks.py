@@ -4,8 +4,8 @@
     parse_body(raw) -> dict                    400: not UTF-8, not JSON, not an object,
                                                a number outside float range, NaN/Infinity,
                                                a string UTF-8 cannot encode (lone surrogate)
-    check_request(endpoint, body, limits)      400: no model; over a cap (naming it and its
-                                               limit)
+
+The caps of a completion or chat request (`check_request`) are in `request_caps`.
 
 Each failure raises `RequestRefused(status, message, param)`; `param` is the field path
 ("messages[0].content", "stop[2]").
@@ -17,14 +17,11 @@ import json
 import math
 import re
 
-from engram_ray.serve.config import RequestLimits
-
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 # Every POST route of Ray Serve LLM's OpenAI ingress that takes a JSON body
 # (ray.llm._internal.serve.core.ingress.ingress.DEFAULT_ENDPOINTS; transcriptions is a form).
 JSON_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/embeddings", "/v1/score", "/tokenize", "/detokenize")
-VLLM_DEFAULT_COMPLETION_TOKENS = 16  # CompletionRequest.max_tokens when the client sends none
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -75,7 +72,7 @@ def parse_body(raw: bytes) -> dict:
                                   f"{str(getattr(exc, 'msg', 'integer too long'))[:80]}.") \
             from None
     if not isinstance(body, dict):
-        raise RequestRefused(400, f"The body must be a JSON object, not {_kind(body)}.")
+        raise RequestRefused(400, f"The body must be a JSON object, not {json_kind(body)}.")
     if is_odd_number or _SURROGATE_ESCAPE.search(raw):
         _check_values(body)
     return body
@@ -110,78 +107,6 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def _kind(value) -> str:
+def json_kind(value) -> str:
     return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number")
-
-
-def check_request(endpoint: str, body: dict, limits: RequestLimits) -> None:
-    """/v1/completions and /v1/chat/completions: `model` given (OpenAI requires it; Ray's
-    ingress would pick the only model for a client that forgot it) and the caps of `limits`."""
-    if endpoint not in (COMPLETIONS, CHAT):
-        return
-    if body.get("model") is None:
-        raise RequestRefused(400, "model is required (the model id, as /v1/models lists it).",
-                             "model")
-    n = _integer(body, "n", 1, limits.max_n, "max_n")
-    if endpoint == COMPLETIONS:
-        token_field = "max_tokens"
-        num_prompts = _num_prompts(body.get("prompt"), limits)
-        _integer(body, "logprobs", 0, limits.max_logprobs, "max_logprobs")
-    else:
-        token_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-            else "max_tokens"
-        num_prompts = 1
-        _integer(body, "top_logprobs", 0, limits.max_logprobs, "max_logprobs")
-    _integer(body, "prompt_logprobs", 0, limits.max_logprobs, "max_logprobs")
-    max_tokens = _integer(body, token_field, 1, None, None)
-    if max_tokens is None and endpoint == COMPLETIONS:
-        max_tokens = VLLM_DEFAULT_COMPLETION_TOKENS
-    generated = num_prompts * (n or 1) * (max_tokens or 0)
-    if generated > limits.max_generated_tokens:
-        raise RequestRefused(
-            400, f"The request asks for up to {generated} generated tokens (prompts "
-                 f"{num_prompts} x n {n or 1} x {token_field} {max_tokens}), over the "
-                 f"server's limit max_generated_tokens = {limits.max_generated_tokens}; "
-                 f"lower {token_field} or n.", token_field)
-    _check_stop(body.get("stop"), limits)
-
-
-def _integer(body: dict, name: str, minimum: int, maximum: int | None,
-             cap: str | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestRefused(400, f"{name} must be an integer, not {_kind(value)}.", name)
-    if value < minimum:
-        raise RequestRefused(400, f"{name} must be at least {minimum}, got {value}.", name)
-    if maximum is not None and value > maximum:
-        raise RequestRefused(400, f"{name} is {value}, over the server's limit {cap} = "
-                                  f"{maximum}.", name)
-    return value
-
-
-def _num_prompts(prompt, limits: RequestLimits) -> int:
-    # A list of strings or of token-id lists is a batch; a list of ints is one tokenized prompt.
-    is_batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-    num_prompts = len(prompt) if is_batch else 1
-    if num_prompts > limits.max_prompts:
-        raise RequestRefused(400, f"prompt holds {num_prompts} prompts, over the server's "
-                                  f"limit max_prompts = {limits.max_prompts}.", "prompt")
-    return num_prompts
-
-
-def _check_stop(stop, limits: RequestLimits) -> None:
-    entries = [stop] if isinstance(stop, str) else stop
-    if not isinstance(entries, list):
-        return  # null or a wrong type: the request model refuses the latter
-    if len(entries) > limits.max_stop_sequences:
-        raise RequestRefused(400, f"stop holds {len(entries)} entries, over the server's "
-                                  f"limit max_stop_sequences = {limits.max_stop_sequences}.",
-                             "stop")
-    for i, entry in enumerate(entries):
-        if isinstance(entry, str) and len(entry) > limits.max_stop_chars:
-            raise RequestRefused(400, f"stop[{i}] is {len(entry)} characters long, over the "
-                                      f"server's limit max_stop_chars = "
-                                      f"{limits.max_stop_chars}.", "stop")
