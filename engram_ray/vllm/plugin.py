@@ -16,7 +16,8 @@
 - patches DeepSeek-V4.1's Engram table class (`engram_ray.vllm.deepseek_engram`) in
   `vllm.models.deepseek_v41.common.engram`: at once if vLLM has imported that module already,
   otherwise right after vLLM imports it (importing it takes ~8 s; processes that never serve
-  DeepSeek-V4.1 never pay for it).
+  DeepSeek-V4.1 never pay for it). The patch first checks the installed vLLM
+  (`engram_ray.vllm.compat`): an unsupported release stops the engine there, with one line.
 """
 
 from __future__ import annotations
