@@ -37,6 +37,15 @@ LEAK_PATTERNS = {
 }
 _RAY_WRAPPED = re.compile(r"^Message: (.*?)(?:, Internal exception: .*)?$", re.DOTALL)
 _REQUEST_ID = re.compile(r"\s*\(Request ID: [^)]*\)")
+# An error body inside a message (vLLM's own, forwarded as text), whole or cut off.
+_INNER_MESSAGE = re.compile(r'"message"\s*:\s*"((?:[^"\\]|\\.)*)')
+_INNER_PARAM = re.compile(r'"param"\s*:\s*"([^"\\]{1,64})"')
+# pydantic's text of a validator's ValueError: keep the reason, drop the echoed input and link.
+_PYDANTIC = re.compile(r"^\d+ validation errors? for \w+\s+(?:(?!Value error)[\w.\[\]]+\s+)?"
+                       r"(?:Value error, )?(.*?)\s*(?:\[type=.*)?$", re.DOTALL)
+_CLASS_PREFIX = re.compile(r"^[A-Z]\w*(?:Error|Exception): ")
+_LONG_LIST = re.compile(r"\[([^\[\]]*)(\]|$)")
+MAX_LIST_ITEMS = 3  # items of a long list kept in a message ("[512, 513, 514, ... 61 more]")
 
 
 def leaks(text: str) -> list[str]:
@@ -68,13 +77,55 @@ def generic_message(status: int, request_id: str, retry_after: str | None = None
 
 
 def client_message(text: str) -> str | None:
-    """`text` fit for a client (Ray's "Message: X, Internal exception: Y, ..." cut to X,
-    request-id suffixes dropped, at most MAX_MESSAGE_CHARS), or None when it leaks internals."""
-    match = _RAY_WRAPPED.match(text.strip())
-    text = _REQUEST_ID.sub("", match.group(1) if match else text)
+    """`text` fit for a client (`unwrap`ped, long lists counted, at most MAX_MESSAGE_CHARS),
+    or None when it still leaks internals."""
+    text = shorten_lists(unwrap(text)[0])
     if not text.strip() or leaks(text):
         return None
     return shorten(text)
+
+
+def unwrap(text: str) -> tuple[str, str | None]:
+    """(the reason, the param it names) of an upstream message: Ray's "Message: X, Internal
+    exception: Y" cut to X, an error body inside it (vLLM's, as JSON text, maybe cut off)
+    opened, pydantic's "1 validation error for ... Value error, X [type=...]" cut to X, a
+    leading exception class name and request-id suffixes dropped."""
+    param = None
+    for _ in range(4):  # each wrapper once: Ray around vLLM's body around Ray's "Message:"
+        text = text.strip()
+        match = _RAY_WRAPPED.match(text)
+        text = match.group(1).strip() if match else text
+        inner = _INNER_MESSAGE.search(text) if text.startswith("{") else None
+        if inner is None:
+            break
+        named = _INNER_PARAM.search(text)
+        param = param or (named.group(1) if named else None)
+        text = _json_unescape(inner.group(1))
+    match = _PYDANTIC.match(text)
+    text = match.group(1) if match else text
+    return _REQUEST_ID.sub("", _CLASS_PREFIX.sub("", text)).strip(), param
+
+
+def _json_unescape(text: str) -> str:
+    try:
+        return json.loads(f'"{text}"')
+    except ValueError:  # cut inside an escape
+        return text.replace('\\"', '"')
+
+
+def shorten_lists(text: str) -> str:
+    """Each bracketed list of more than MAX_LIST_ITEMS + 1 items as its first MAX_LIST_ITEMS
+    and a count: "[512, 513, 514, ... 61 more]" (a list cut off at the end counts what is
+    left of it)."""
+    def count(match):
+        items = [item.strip() for item in match.group(1).split(",") if item.strip()]
+        if len(items) <= MAX_LIST_ITEMS + 1:
+            return match.group(0)
+        cut = "" if match.group(2) else " (cut)"
+        return (f"[{', '.join(items[:MAX_LIST_ITEMS])}, ... "
+                f"{len(items) - MAX_LIST_ITEMS} more{cut}]")
+
+    return _LONG_LIST.sub(count, text)
 
 
 def client_param(param) -> str | None:
@@ -119,5 +170,7 @@ def clean_error(status: int, body: bytes, request_id: str,
     text, param = message_and_param(body)
     if status >= 500:
         return error_bytes(status, generic_message(status, request_id, retry_after)), text
+    # Generic only where the reason itself would leak internals (it then goes to the log).
     message = client_message(text) or f"The request was refused (HTTP {status})."
-    return error_bytes(status, message, client_param(param)), text
+    return error_bytes(status, message, client_param(param) or client_param(unwrap(text)[1])
+                       ), text
