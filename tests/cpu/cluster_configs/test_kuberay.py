@@ -22,14 +22,18 @@ K8S_VERSION = "1.34"  # DRA (resource claims in pod specs) is GA from 1.34
 BASE_SERVE = ROOT / "cluster_configs" / "serve_deepseek_v41_flash.yaml"
 # What each manifest's Serve app may differ in from serve_deepseek_v41_flash.yaml (anything
 # else drifting between them fails test_serve_config_is_the_projects).
+# metrics_bind_address 0.0.0.0: a pod is its own network namespace (its IP and loopback), the
+# serve YAML's `node` (issue 29) matters on hosts shared with other programs.
 K8S_OVERRIDES = {
     "rayservice_gb300_nvl72.yaml": {
         ("deployment", "peer_group_store"): "/mnt/engram-store/store",
-        ("deployment", "handle_type"): "fabric"},
+        ("deployment", "handle_type"): "fabric",
+        ("serving", "metrics_bind_address"): "0.0.0.0"},
     "rayservice_hgx_h200.yaml": {
         ("deployment", "peer_group_store"): "/mnt/engram-store/store",
         ("deployment", "handle_type"): "posix_fd",
-        ("serving", "num_peer_groups"): 4},
+        ("serving", "num_peer_groups"): 4,
+        ("serving", "metrics_bind_address"): "0.0.0.0"},
 }
 # Field names of the CRDs, from KubeRay v1.7.0's generated API reference (docs/reference/api.md),
 # NVIDIA k8s-dra-driver-gpu's ComputeDomain v1beta1 types and prometheus-operator's PodMonitor.
