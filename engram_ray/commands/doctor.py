@@ -12,12 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 
 HELP = ("check this node for the peer-group table path (vLLM version, GPUs, NVLink, VMM, "
-        "handles, pidfd, shm) and the CPU features vLLM on CPU uses (AVX-512, AMX)")
+        "handles, descriptor passing, shm) and the CPU features vLLM on CPU uses (AVX-512, AMX)")
 THP_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
-CAP_SYS_PTRACE_BIT = 19
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def run(args) -> int:
 # --- host -------------------------------------------------------------------------------
 
 def host_checks(shm_dir: str) -> list[Check]:
-    return [check_vllm(), check_cpu(), check_shm(shm_dir), check_thp(), check_pidfd()]
+    return [check_vllm(), check_cpu(), check_shm(shm_dir), check_thp(), check_fd_passing()]
 
 
 def check_vllm() -> Check:
@@ -104,47 +104,43 @@ def check_thp() -> Check:
     return Check("transparent huge pages", "ok", mode)
 
 
-def _has_cap_sys_ptrace() -> bool:
-    try:
-        with open("/proc/self/status") as f:
-            caps = next(line for line in f if line.startswith("CapEff:"))
-        return bool(int(caps.split()[1], 16) >> CAP_SYS_PTRACE_BIT & 1)
-    except (OSError, StopIteration, ValueError):
-        return False
+# What a group's peers do at the rendezvous, and a restarted engine does at its holders: take a
+# slice's descriptor from a holder in another process.
+_TAKE_FROM_HOLDER = ("import sys\n"
+                     "from engram_ray.tables.slice_holder import fetch\n"
+                     "try:\n    _, fds = fetch(sys.argv[1], 'doctor')\n"
+                     "    print('ok' if len(fds) == 1 else f'{len(fds)} descriptors came')\n"
+                     "except Exception as exc:\n    print(exc)\n")
+FD_PASSING = "descriptor passing (POSIX-FD and shm slices)"
 
 
-# The importer is not the exporter's ancestor, as between two engines (under Yama scope 1 an
-# ancestor may always take a child's fds, so the opposite direction would prove nothing).
-_TAKE_PARENT_FD = ("import os, sys\n"
-                   "from engram_ray.tables.backends.pidfd import pidfd_getfd\n"
-                   "try:\n    os.close(pidfd_getfd(os.getppid(), int(sys.argv[1])))\n"
-                   "    print('ok')\nexcept Exception as exc:\n    print(exc)\n")
+def check_fd_passing() -> Check:
+    """A child process takes a descriptor from a slice holder in this one (SCM_RIGHTS over a
+    Unix socket in a 0700 folder), as peers and restarted engines take slices: no ptrace."""
+    from engram_ray.tables.slice_holder import SliceHolder, holder_path
 
-
-def check_pidfd() -> Check:
-    from engram_ray.tables.backends.pidfd import allow_fd_takers, ptrace_scope
-    allow_fd_takers()  # what an exporting engine does
-    read_fd, write_fd = os.pipe()
-    try:
-        child = subprocess.run([sys.executable, "-c", _TAKE_PARENT_FD, str(write_fd)],
-                               capture_output=True, text=True, timeout=60)
-        result = (child.stdout.strip() or child.stderr.strip()[-300:] or
-                  f"exit code {child.returncode}")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        result = str(exc)
-    finally:
-        os.close(read_fd)
-        os.close(write_fd)
-    scope, cap = ptrace_scope(), _has_cap_sys_ptrace()
-    detail = (f"pidfd_getfd of this process's fd from a child: {result}; Yama ptrace_scope "
-              f"{scope}; CAP_SYS_PTRACE {cap}")
+    with tempfile.TemporaryDirectory(prefix="engram-ray-doctor-") as folder:  # 0700
+        holder = SliceHolder(folder, "doctor", 0)
+        read_fd, write_fd = os.pipe()
+        try:
+            holder.hold([{"key": 0, "shape": [1, 1], "nbytes": 1, "digest": "",
+                          "kind": "doctor"}], [read_fd])
+            child = subprocess.run([sys.executable, "-c", _TAKE_FROM_HOLDER,
+                                    holder_path(folder, 0)],
+                                   capture_output=True, text=True, timeout=60)
+            result = (child.stdout.strip() or child.stderr.strip()[-300:] or
+                      f"exit code {child.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            result = str(exc)
+        finally:
+            holder.close()  # closes read_fd, which the holder held
+            os.close(write_fd)
     if result != "ok":
-        return Check("pidfd (POSIX-FD import)", "fail", detail + ": needs Linux >= 5.6 and "
-                     "the same user in every member or CAP_SYS_PTRACE")
-    if scope in (2, 3) and not cap:
-        return Check("pidfd (POSIX-FD import)", "warn", detail + ": between engines this scope "
-                     "needs CAP_SYS_PTRACE (or FABRIC handles)")
-    return Check("pidfd (POSIX-FD import)", "ok", detail)
+        return Check(FD_PASSING, "fail", f"a child process could not take a descriptor from a "
+                     f"slice holder: {result}; peers and restarted engines take slices this "
+                     "way: Unix sockets must work in the peer_group_store folder")
+    return Check(FD_PASSING, "ok", "a child process took a descriptor from a slice holder "
+                 "(SCM_RIGHTS over a Unix socket; no ptrace)")
 
 
 # --- GPUs -------------------------------------------------------------------------------

@@ -53,7 +53,10 @@ def supported_versions() -> str:
 
 def installed_vllm() -> InstalledVllm | None:
     """The installed vLLM (found without importing it), or None."""
-    spec = importlib.util.find_spec("vllm")
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     site = Path(next(iter(spec.submodule_search_locations))).parent

@@ -29,7 +29,7 @@ import socket
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: pidfd (doctor's probe child) must not import torch
+if TYPE_CHECKING:  # annotations only: doctor imports this module without torch
     import torch
 
 from engram_ray.errors import EngramRayError
