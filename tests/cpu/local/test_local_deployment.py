@@ -1,8 +1,9 @@
 """The local deployment end to end (slow): `engram-ray local` as a user runs it, then the OpenAI
-API, malformed requests, every dashboard panel through a real Prometheus, 100 concurrent streams,
-an engine killed under load, an engine core killed just before a status line, Ctrl-C followed by
-a clean second run, SIGTERM stopping a third as cleanly, and a fourth whose worker dies before
-the deployment is ready (reported in one line).
+API, malformed requests, requests generated from the API's schema (hypothesis), every dashboard
+panel through a real Prometheus, 100 concurrent streams, an engine killed under load, an engine
+core killed just before a status line, Ctrl-C followed by a clean second run, SIGTERM stopping a
+third as cleanly, and a fourth whose worker dies before the deployment is ready (reported in
+one line).
 
 One deployment for the whole module (two vLLM engines on CPU take a minute or more to start);
 the SIGTERM test starts its own.
@@ -25,20 +26,26 @@ from pathlib import Path
 
 import pytest
 
+from hypothesis import HealthCheck, given, settings
+
 from engram_ray.local.loadgen import run_load
 from engram_ray.local.prometheus import Prometheus, free_port, scrape_config
 from engram_ray.local.summary import engine_row, merge_by_engine
 from engram_ray.serve import engine_shm
+from engram_ray.serve.api_errors import leaks
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "dashboards"))
+sys.path.insert(0, str(ROOT / "tests"))
 import generate  # noqa: E402
+from support.openai_requests import openai_requests  # noqa: E402
 
 MODEL = "engram-tiny"
 STARTUP_S = 900
 SUMMARY_EVERY_S = 5
+GENERATED_REQUESTS = 60  # property-based requests (valid and broken), a minute or two on CPU
 
 
 def _parent(pid: int) -> int:
@@ -73,7 +80,8 @@ def vllm_processes(title: str, under: int) -> list[int]:
 
 def engine_segments() -> set[str]:
     """vLLM's shared-memory ring buffers (engram_ray.serve.engine_shm)."""
-    return set(glob.glob(engine_shm.SEGMENT_PREFIX + "*"))
+    return {path for path in glob.glob("/dev/shm/psm_*")
+            if engine_shm.SEGMENT_NAME.fullmatch(path)}
 
 
 class Local:
@@ -198,6 +206,33 @@ def test_malformed_request_gets_openai_4xx_and_engines_stay_up(local, what, body
     assert "error" in error or "detail" in error, error
     status, ok = local.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4})
     assert status == 200, ok
+    assert all(r["healthy"] and r["generation"] == 1 for r in local.engine_rows())
+
+
+@settings(max_examples=GENERATED_REQUESTS, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(generated=openai_requests(MODEL))
+def test_generated_requests_get_200_or_a_clean_4xx(local, generated):
+    """Completion and chat requests generated from their schema, valid and broken
+    (tests/support/openai_requests.py): each gets a complete 200 or a 4xx in OpenAI's error
+    shape whose body leaks nothing (no traceback, path or internal name)."""
+    import httpx
+
+    path, body = generated
+    with httpx.Client(timeout=120) as http:
+        resp = http.post(local.url + path, content=body,
+                         headers={"Content-Type": "application/json"})
+    text = resp.text
+    assert resp.status_code == 200 or 400 <= resp.status_code < 500, (body, resp.status_code,
+                                                                       text[:500])
+    if resp.status_code == 200:
+        assert "data: [DONE]" in text if text.startswith("data:") else json.loads(text)["choices"]
+    else:
+        assert json.loads(text)["error"]["message"] and not leaks(text), (body, text[:500])
+
+
+def test_a_plain_request_succeeds_after_the_generated_ones(local):
+    assert _greedy(local, "hello")
     assert all(r["healthy"] and r["generation"] == 1 for r in local.engine_rows())
 
 
