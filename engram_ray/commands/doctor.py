@@ -117,30 +117,37 @@ FD_PASSING = "descriptor passing (POSIX-FD and shm slices)"
 def check_fd_passing() -> Check:
     """A child process takes a descriptor from a slice holder in this one (SCM_RIGHTS over a
     Unix socket in a 0700 folder), as peers and restarted engines take slices: no ptrace."""
-    from engram_ray.tables.slice_holder import SliceHolder, holder_path
+    from engram_ray.tables.slice_holder import SliceHolder, SliceHolderError, holder_path
 
     with tempfile.TemporaryDirectory(prefix="engram-ray-doctor-") as folder:  # 0700
-        holder = SliceHolder(folder, "doctor", 0)
-        read_fd, write_fd = os.pipe()
         try:
-            holder.hold([{"key": 0, "shape": [1, 1], "nbytes": 1, "digest": "",
-                          "kind": "doctor"}], [read_fd])
-            child = subprocess.run([sys.executable, "-c", _TAKE_FROM_HOLDER,
-                                    holder_path(folder, 0)],
-                                   capture_output=True, text=True, timeout=60)
-            result = (child.stdout.strip() or child.stderr.strip()[-300:] or
-                      f"exit code {child.returncode}")
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            result = _take_from_holder(SliceHolder(folder, "doctor", 0), holder_path(folder, 0))
+        except (OSError, SliceHolderError) as exc:
             result = str(exc)
-        finally:
-            holder.close()  # closes read_fd, which the holder held
-            os.close(write_fd)
     if result != "ok":
         return Check(FD_PASSING, "fail", f"a child process could not take a descriptor from a "
-                     f"slice holder: {result}; peers and restarted engines take slices this "
-                     "way: Unix sockets must work in the peer_group_store folder")
+                     f"slice holder in {tempfile.gettempdir()}: {result}; peers and restarted "
+                     "engines take slices this way: Unix sockets (AF_UNIX, SCM_RIGHTS) must "
+                     "work in the peer_group_store folder")
     return Check(FD_PASSING, "ok", "a child process took a descriptor from a slice holder "
                  "(SCM_RIGHTS over a Unix socket; no ptrace)")
+
+
+def _take_from_holder(holder, path: str) -> str:
+    """'ok' once a child process took the descriptor `holder` holds, else what went wrong."""
+    read_fd, write_fd = os.pipe()
+    try:
+        holder.hold([{"key": 0, "shape": [1, 1], "nbytes": 1, "digest": "",
+                      "kind": "doctor"}], [read_fd])
+        child = subprocess.run([sys.executable, "-c", _TAKE_FROM_HOLDER, path],
+                               capture_output=True, text=True, timeout=60)
+        return (child.stdout.strip() or child.stderr.strip()[-300:] or
+                f"exit code {child.returncode}")
+    except subprocess.TimeoutExpired as exc:
+        return str(exc)
+    finally:
+        holder.close()  # closes read_fd, which the holder held
+        os.close(write_fd)
 
 
 # --- GPUs -------------------------------------------------------------------------------

@@ -64,8 +64,11 @@ def kill(kind: str, group_id: str) -> None:
     if kind == "engine_core":
         os.kill(engine_core_pid(replica), signal.SIGKILL)
     elif kind == "worker":
-        (worker, *_) = psutil.Process(engine_core_pid(replica)).children()
-        os.kill(worker.pid, signal.SIGKILL)
+        core = psutil.Process(engine_core_pid(replica))
+        workers = [c for c in core.children() if "Worker" in " ".join(c.cmdline()) + c.name()]
+        if not workers:
+            raise RuntimeError(f"EngineCore {core.pid} has no VLLM::Worker child")
+        os.kill(workers[0].pid, signal.SIGKILL)
     elif kind == "replica":
         ray.kill(replica, no_restart=True)
     else:

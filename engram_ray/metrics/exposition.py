@@ -121,7 +121,8 @@ def write_file_sd(path: str, targets: dict[str, dict]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if is_shared_tmp(directory):  # anyone could have made it first: it must be ours alone
         private_dir(directory, "serving.prometheus_targets_file folder")
-    else:  # the operator's folder: Prometheus may read it as another user
+    else:  # the operator's folder is left as made (created 0700 when missing); the list
+        # itself is 0600 (mkstemp): Prometheus reads it as this user (docs/operators.md)
         os.makedirs(directory, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engram_sd.", suffix=".json")
     with os.fdopen(fd, "w") as out:

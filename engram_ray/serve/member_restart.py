@@ -85,24 +85,25 @@ class MemberRestartMixin:
         self._segments_recorded_at = time.monotonic()
 
     async def _on_engine_death(self) -> None:
-        """The engine died while serving: restart it in place, or report the member lost."""
+        """The engine died while serving: restart it in place, or report the member lost (its
+        health checks fail from then on, so Serve restarts the gang)."""
         death = self._engine_death("while serving")
         reason = death.line() if death is not None else "engine died"
-        if not self.can_restart_in_place() or not await self._coordinator.member_restarting.remote(
-                self._replica_id, reason):
-            await self._report_broken(reason)
-            return
-        self._restarting, started = True, time.monotonic()
-        a = self._assignment
-        self.engram_metrics.set_group(a["generation_index"], False)
+        self._restarting = True  # health checks pass while this decides and restarts
         try:
-            phases = await self._restart_engine()
-        except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
-            self._restart_error = (f"engine of {a['group_id']}-r{a['member_rank']} could not "
-                                   f"restart in place: {type(exc).__name__}: {exc}")
-            logger.error("engram-ray: %s", self._restart_error)
-            await self._report_broken(self._restart_error)
-            return
+            if not await self._may_restart(reason):
+                await self._lose(reason)
+                return
+            started, a = time.monotonic(), self._assignment
+            self.engram_metrics.set_group(a["generation_index"], False)
+            try:
+                phases = await self._restart_engine()
+            except asyncio.CancelledError:  # the replica is shutting down
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
+                await self._lose(f"engine of {a['group_id']}-r{a['member_rank']} could not "
+                                 f"restart in place: {type(exc).__name__}: {exc}")
+                return
         finally:
             self._restarting = False
         self._death = None
@@ -115,10 +116,27 @@ class MemberRestartMixin:
                        ", ".join(f"{name} {s:.1f} s" for name, s in phases.items()))
         self._engine_watch_task = asyncio.get_running_loop().create_task(self._watch_engine())
 
+    async def _may_restart(self, reason: str) -> bool:
+        """True when this member can re-attach its slices and the coordinator lets it restart
+        inside its generation (not when the generation broke meanwhile)."""
+        if not self.can_restart_in_place():
+            return False
+        try:
+            return await self._coordinator.member_restarting.remote(self._replica_id, reason)
+        except Exception as exc:  # noqa: BLE001 - no coordinator: no restart in place
+            logger.error("engram-ray: the coordinator could not be told of the restart: %s", exc)
+            return False
+
+    async def _lose(self, reason: str) -> None:
+        """This member is lost: its health checks fail with `reason` from now on (Serve
+        restarts the group's gang) and its generation is reported broken."""
+        self._restart_error = reason
+        logger.error("engram-ray: %s", reason)
+        await self._report_broken(reason)
+
     async def _restart_engine(self) -> dict[str, float]:
         """Stop the dead engine and start a new one; seconds per step."""
         from engram_ray.serve.engine_death import EngineWatch
-        from engram_ray.serve.engine_shm import release_recorded
 
         phases, since = {}, time.monotonic()
 
@@ -127,22 +145,36 @@ class MemberRestartMixin:
             now = time.monotonic()
             phases[name], since = now - since, now
 
-        client = getattr(self.engine, "_engine_client", None)
-        if client is not None and hasattr(client, "shutdown"):
-            client.shutdown()
-        stuck = await asyncio.to_thread(self._engine_processes.kill)
-        if stuck:
-            raise RuntimeError(f"processes {stuck} of the dead engine did not exit")
-        await asyncio.to_thread(release_recorded, self._replica_id)
+        await self._stop_engine()
         step("reap")
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
         self.engine = await _engine_started_off_the_loop(self._engine_cls, self._llm_config,
                                                          step)
-        await self._start_engine()
-        await self._engine_started()
+        try:
+            await self._start_engine()
+            await self._engine_started()
+        except BaseException:
+            # Nothing of a half-started engine may keep memory or the metrics port.
+            self._engine_processes = EngineProcesses(getattr(self.engine, "_engine_client",
+                                                             None))
+            await self._stop_engine()
+            raise
         step("serving")
         return phases
+
+    async def _stop_engine(self) -> None:
+        """vLLM's client shut down, every process of the engine killed and waited for, its
+        ring buffers released."""
+        from engram_ray.serve.engine_shm import release_recorded
+
+        client = getattr(self.engine, "_engine_client", None)
+        if client is not None and hasattr(client, "shutdown"):
+            await asyncio.to_thread(client.shutdown)
+        stuck = await asyncio.to_thread(self._engine_processes.kill)
+        if stuck:
+            raise RuntimeError(f"processes {stuck} of the engine did not exit")
+        await asyncio.to_thread(release_recorded, self._replica_id)
 
 
 async def _engine_started_off_the_loop(engine_cls, llm_config, step=lambda _name: None):

@@ -26,6 +26,9 @@ class LiveMemberRouter(PowerOfTwoChoicesRequestRouter):
         if live is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
         serving = [r for r in candidate_replicas if r.replica_id.unique_id in live]
-        if not serving:  # every member restarting: Serve retries with backoff
-            return []
+        if not serving:
+            # The group stopped serving after the ingress picked it: a member fails the
+            # request at once and the ingress sends it elsewhere (an empty choice would hold it
+            # in Serve's retries until a member is back, a whole restart).
+            return await super().choose_replicas(candidate_replicas, pending_request)
         return [random.sample(serving, min(2, len(serving)))]

@@ -264,8 +264,9 @@ class EngramServerMixin(MemberRestartMixin):
         if self._restart_error is not None:
             raise EngineDiedError(self._restart_error)
         client = getattr(getattr(self, "engine", None), "_engine_client", None)
-        if self._restarting or (getattr(client, "errored", False)
-                                and self.can_restart_in_place()):
+        watch = getattr(self, "_engine_watch_task", None)
+        if self._restarting or (getattr(client, "errored", False) and self.can_restart_in_place()
+                                and watch is not None and not watch.done()):
             return  # the engine restarts in place (or its watch is about to start it)
         try:
             await super().check_health()

@@ -66,11 +66,11 @@ def offered(tables):
     deposited with the replica's holder (`settings.holders`; kept there afterwards), else held
     by one in this process until the block ends. FABRIC-only memory offers nothing here."""
     settings, memory = tables.settings, tables.memory
-    if settings.holders:
-        deposit(tables)
+    if not memory.can_hold:  # FABRIC-only: an engine death restarts the gang
         yield
         return
-    if not memory.can_hold:
+    if settings.holders:
+        deposit(tables)
         yield
         return
     holder = SliceHolder(settings.store_dir, settings.generation, settings.rank)

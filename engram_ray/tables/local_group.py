@@ -79,9 +79,11 @@ class Members:
             self.ctx.set_forkserver_preload(["torch", __name__, target.__module__])
         self.results = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}  # key -> process (key: rank, or as given)
+        self.ranks: dict[int, int] = {}          # key -> the rank its process runs
 
     def start(self, rank: int, key: int | None = None):
         key = rank if key is None else key
+        self.ranks[key] = rank
         self.procs[key] = proc = self.ctx.Process(
             target=_member_main, args=(self.target, rank, self.args, self.env,
                                        self.num_threads, self.results, key), daemon=True)
@@ -102,7 +104,8 @@ class Members:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-            found.setdefault(key, MemberResult(key, False, f"exit code {proc.exitcode}", 0.0))
+            found.setdefault(key, MemberResult(self.ranks[key], False,
+                                               f"exit code {proc.exitcode}", 0.0))
         return [found[k] for k in sorted(found)]
 
 

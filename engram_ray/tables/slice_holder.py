@@ -47,6 +47,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 253          # SCM_MAX_FD
 DIGEST_ROWS = 4096     # rows sampled per slice by `sampled_digest`
 CLIENT_TIMEOUT_S = 30.0
+SLICE_KEYS = frozenset({"key", "shape", "nbytes", "digest"})
 
 
 class SliceHolderError(EngramRayError):
@@ -96,17 +97,22 @@ def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
 
 def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, MAX_FDS)
-    while data and not data.endswith(b"\n"):  # the fds came with the first part
-        more = sock.recv(MAX_MESSAGE_BYTES)
-        if not more:
-            break
-        data += more
+    fds = list(fds)
     try:
-        return json.loads(data), list(fds)
+        for fd in fds:  # received descriptors are inheritable; no child process gets one
+            os.set_inheritable(fd, False)
+        while data and not data.endswith(b"\n"):  # the fds came with the first part
+            more = sock.recv(MAX_MESSAGE_BYTES)
+            if not more:
+                break
+            data += more
+        return json.loads(data), fds
     except ValueError:
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         raise SliceHolderError(f"a holder message was not JSON ({len(data)} bytes)") from None
+    except BaseException:
+        _close_all(fds)
+        raise
 
 
 class SliceHolder:
@@ -117,7 +123,13 @@ class SliceHolder:
         self.slices: list[dict] = []
         self.fds: list[int] = []
         self._lock = threading.Lock()
-        check_private(store_dir, "slice holder folder", error=SliceHolderError)
+        try:
+            check_private(store_dir, "slice holder folder", error=SliceHolderError)
+        except FileNotFoundError:
+            raise SliceHolderError(
+                f"slice holder folder {store_dir} does not exist: the coordinator makes each "
+                "generation's store folder; peer_group_store must be a folder every member of "
+                "the group (one host) sees") from None
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with _short(self.path) as address:
@@ -147,10 +159,12 @@ class SliceHolder:
             except OSError:  # closed
                 return
             with conn:
+                conn.settimeout(CLIENT_TIMEOUT_S)  # a client that never sends blocks no one
                 try:
                     self._answer(conn)
-                except (OSError, SliceHolderError) as exc:
-                    logger.warning("engram-ray slice holder r%d: %s", self.rank, exc)
+                except Exception as exc:  # noqa: BLE001 - one bad client must not stop the holder
+                    logger.warning("engram-ray slice holder r%d: %s: %s", self.rank,
+                                   type(exc).__name__, exc)
 
     def _answer(self, conn: socket.socket) -> None:
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -159,6 +173,10 @@ class SliceHolder:
             _send(conn, {"ok": False, "error": f"uid {uid} may not use this holder"})
             return
         request, fds = _receive(conn)
+        if not isinstance(request, dict):
+            _close_all(fds)
+            _send(conn, {"ok": False, "error": "a request must be a JSON object"})
+            return
         op = request.get("op")
         if request.get("generation") != self.generation:
             _close_all(fds)
@@ -192,6 +210,8 @@ class SliceHolder:
                 error = f"rank {self.rank} deposited its slices twice"
             elif len(slices) != len(fds) or not fds:
                 error = f"{len(slices)} slices came with {len(fds)} descriptors"
+            elif not all(isinstance(s, dict) and SLICE_KEYS <= s.keys() for s in slices):
+                error = f"a slice lacks one of {sorted(SLICE_KEYS)}"
             if error:
                 _close_all(fds)
                 raise SliceHolderError(error)

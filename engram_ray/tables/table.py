@@ -167,12 +167,12 @@ class EngramTables:
 
         tables = cls(layout, settings=settings, memory=make_memory(settings, device),
                      device=device, metrics=metrics)
-        if settings.holders and holding.holds_slices(settings):
-            try:
+        try:
+            if settings.holders and holding.holds_slices(settings):
                 holding.reattach(tables)
-            except BaseException:
-                tables.close()
-                raise
+        except BaseException:
+            tables.close()
+            raise
         return tables
 
     @property

@@ -118,8 +118,8 @@ def _join_hook_class():
 
 def _keep_reattached_rows(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """vLLM's weight loading of a table whose rows were re-attached from the slice holders:
-    nothing is copied (the slice is mapped read-only and peers read it), only the shape is
-    checked."""
+    nothing is copied (peers read that memory; the shm backend maps it read-only), only the
+    shape is checked."""
     rows = loaded_weight.shape[0]
     start = getattr(param, "engram_vocab_start", 0)
     if rows < start + param.shape[0] or tuple(loaded_weight.shape[1:]) != tuple(param.shape[1:]):

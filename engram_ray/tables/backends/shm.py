@@ -98,7 +98,7 @@ class ShmPeerMemory(PeerMemory):
         if key not in self._paths:
             raise PeerMemoryError(f"slice {key} of rank {self.rank} was unlinked already: hand "
                                   "it to its holder before the rendezvous ends")
-        return os.open(self._paths[key], os.O_RDWR | os.O_NOFOLLOW)
+        return os.open(self._paths[key], os.O_RDONLY | os.O_NOFOLLOW)  # peers only read it
 
     def attach(self, rank: int, key: int, fd: int, shape: list[int], nbytes: int) -> None:
         num_rows, row_bytes = shape

@@ -120,10 +120,13 @@ def test_holders_refuse_what_is_not_theirs(tmp_path, store):
 
 
 def test_sampled_digest_sees_shape_and_rows():
-    torch.set_default_dtype(torch.bfloat16)  # as vLLM builds models
+    torch.set_default_dtype(torch.bfloat16)  # as vLLM builds models (bf16 would round picks)
     try:
-        big = torch.zeros(4151, 66, dtype=torch.uint8)
+        big = (torch.arange(4151 * 66, dtype=torch.int64) % 251).to(torch.uint8).view(4151, 66)
         assert sampled_digest(big) == sampled_digest(big.clone())
+        last = big.clone()
+        last[4150, 0] += 1  # the last row is sampled whatever the default dtype
+        assert sampled_digest(last) != sampled_digest(big)
     finally:
         torch.set_default_dtype(torch.float32)
     rows = torch.arange(70 * 66, dtype=torch.int64).to(torch.uint8).view(70, 66)

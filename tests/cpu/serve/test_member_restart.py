@@ -1,0 +1,81 @@
+"""The restart-in-place decision of a replica whose engine died (`MemberRestartMixin`): a member
+that may not restart (no slices held, the coordinator refuses because the generation broke
+meanwhile, or the coordinator cannot be reached) is lost: it reports its generation broken and
+its health checks fail from then on, so Serve restarts the gang. The restart itself runs end
+to end in tests/cpu/local (an EngineCore or worker killed under load)."""
+
+import asyncio
+
+import pytest
+
+from engram_ray.serve.member_restart import MemberRestartMixin
+
+
+class _Call:
+    """`actor.method.remote(...)` as the coordinator's handle offers it: an awaitable."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, []
+
+    def remote(self, *args):
+        self.calls.append(args)
+
+        async def result():
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+        return result()
+
+
+class _Coordinator:
+    def __init__(self, restarting):
+        self.member_restarting = _Call(restarting)
+
+
+class _Member(MemberRestartMixin):
+    def __init__(self, restarting, holds_slices=True):
+        self._coordinator, self._replica_id = _Coordinator(restarting), "replica-0"
+        self._holds_slices, self.reported = holds_slices, []
+        self.restarted = False
+
+    def can_restart_in_place(self) -> bool:
+        return self._holds_slices
+
+    def _engine_death(self, phase):
+        return None  # no recorded cause: "engine died"
+
+    async def _report_broken(self, reason):
+        self.reported.append(reason)
+
+    async def _restart_engine(self):
+        self.restarted = True
+        raise RuntimeError("not in this test")
+
+
+@pytest.mark.parametrize("restarting, holds_slices", [
+    (False, True),                        # the generation broke meanwhile
+    (ConnectionError("gone"), True),      # no coordinator
+    (True, False),                        # nothing held (DP gang, FABRIC-only)
+], ids=["refused", "coordinator unreachable", "no slices held"])
+def test_a_member_that_may_not_restart_is_lost_and_fails_its_health_checks(restarting,
+                                                                           holds_slices):
+    member = _Member(restarting, holds_slices)
+    asyncio.run(member._on_engine_death())
+    assert not member.restarted
+    assert member.reported == ["engine died"]
+    assert member._restart_error == "engine died"  # check_health raises it from now on
+    assert not member._restarting
+    if not holds_slices:
+        assert member._coordinator.member_restarting.calls == []
+
+
+def test_a_restart_that_fails_loses_the_member_naming_why():
+    member = _Member(True)
+    member._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 1,
+                          "generation": "local-group-0.1"}
+    member.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
+    asyncio.run(member._on_engine_death())
+    assert member.restarted and not member._restarting
+    assert member._restart_error == ("engine of group-0-r1 could not restart in place: "
+                                     "RuntimeError: not in this test")
+    assert member.reported == [member._restart_error]
