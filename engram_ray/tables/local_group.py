@@ -227,3 +227,18 @@ def kill_member(proc, rank: int, control_dir: str) -> None:
     open(os.path.join(control_dir, "killed"), "w").close()
     for ready in glob.glob(os.path.join(control_dir, f"ready-{rank}-*")):
         os.unlink(ready)
+
+
+def kill_and_restart(members: Members, victim, rank: int, control_dir: str,
+                     read_after_kill_s: float, timeout_s: float = 240.0) -> list[MemberResult]:
+    """The failover sequence of `serve_member` processes: SIGKILL `victim` (a process of
+    `rank`), let the others read on for `read_after_kill_s`, start a new process of `rank`
+    (it re-attaches from the holders), let it read, stop everyone; results by key (the victim
+    first, the restarted process last)."""
+    kill_member(victim, rank, control_dir)
+    time.sleep(read_after_kill_s)
+    members.start(rank, key=max(members.procs) + 1)
+    wait_ready(control_dir, rank)
+    time.sleep(1.0)
+    open(os.path.join(control_dir, "stop"), "w").close()
+    return members.collect(timeout_s)

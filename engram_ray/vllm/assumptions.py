@@ -126,10 +126,16 @@ def substitution_point(tree: SourceTree) -> str | None:
     return None
 
 
+def _signature_problem(tree: SourceTree, method: str, expected) -> str | None:
+    """`TABLE.<method>(...)` as found, when its parameters are not `expected`."""
+    found = _parameters(_method(tree, ENGRAM, f"{TABLE}.{method}"))
+    return None if found == expected else f"{TABLE}.{method}{_show(found)}, not {_show(expected)}"
+
+
 def constructor_signature(tree: SourceTree) -> str | None:
-    found = _parameters(_method(tree, ENGRAM, f"{TABLE}.__init__"))
-    if found != CONSTRUCTOR:
-        return f"{TABLE}.__init__{_show(found)}, not {_show(CONSTRUCTOR)}"
+    problem = _signature_problem(tree, "__init__", CONSTRUCTOR)
+    if problem:
+        return problem
     allowed = {name for name, _ in CONSTRUCTOR[4:]}
     for call in _calls(_method(tree, ENGRAM, "Engram._create_embedding"), TABLE):
         extra = {k.arg for k in call.keywords} - allowed
@@ -139,9 +145,9 @@ def constructor_signature(tree: SourceTree) -> str | None:
 
 
 def lookup_signature(tree: SourceTree) -> str | None:
-    found = _parameters(_method(tree, ENGRAM, f"{TABLE}.lookup"))
-    if found != LOOKUP:
-        return f"{TABLE}.lookup{_show(found)}, not {_show(LOOKUP)}"
+    problem = _signature_problem(tree, "lookup", LOOKUP)
+    if problem:
+        return problem
     calls = _calls(tree.parsed(ENGRAM), "lookup", owner="embed_tokens")
     if not calls:
         return "no embed_tokens.lookup(...) call in engram.py (the model calls the table how?)"

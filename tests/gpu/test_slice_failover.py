@@ -6,13 +6,12 @@ Serve replica) and reads the same bytes. One GPU: both readers map the slice of 
 two GPUs: a group of two, its rank 0 killed and restarted while rank 1 reads on.
 """
 
-import time
 
 import pytest
 import torch
 
 from engram_ray.model.layout import EngramLayout
-from engram_ray.tables.local_group import Members, kill_member, serve_member, wait_ready
+from engram_ray.tables.local_group import Members, kill_and_restart, serve_member, wait_ready
 from engram_ray.tables.slice_holder import SliceHolder
 
 # ~20K-row buckets: ~0.49M rows per table (122 MiB)
@@ -39,13 +38,7 @@ def _kill_read_restart(tmp_path, size: int) -> list:
             wait_ready(str(control), 0, count=2)
         for rank in range(1, size):
             wait_ready(str(control), rank)
-        kill_member(victim, 0, str(control))
-        time.sleep(READ_AFTER_KILL_S)
-        members.start(0, key=2)  # the restarted engine
-        wait_ready(str(control), 0)
-        time.sleep(1.0)
-        (control / "stop").touch()
-        results = members.collect(240)
+        results = kill_and_restart(members, victim, 0, str(control), READ_AFTER_KILL_S)
     finally:
         for holder in holders:
             holder.close()

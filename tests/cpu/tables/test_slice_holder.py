@@ -5,13 +5,12 @@ nothing is left in the shared-memory folder once the holders close."""
 
 import os
 import stat
-import time
 
 import pytest
 import torch
 
 from engram_ray.model.layout import EngramLayout
-from engram_ray.tables.local_group import Members, kill_member, serve_member, wait_ready
+from engram_ray.tables.local_group import Members, kill_and_restart, serve_member, wait_ready
 from engram_ray.tables.settings import PeerGroupSettings
 from engram_ray.tables.slice_holder import (SliceHolder, SliceHolderError, deposit, fetch,
                                             holder_path, sampled_digest)
@@ -43,14 +42,11 @@ def test_a_killed_member_restarts_from_the_holders_while_its_peer_reads_on(tmp_p
         wait_ready(str(control), 0)
         wait_ready(str(control), 1)
         assert all(h.is_full for h in holders)
-        kill_member(victim, 0, str(control))
         assert os.listdir(shm_dir) == []  # unlinked at the rendezvous: held by descriptors
-        time.sleep(1.0)  # rank 1 keeps reading rank 0's rows from the dead process's memory
-        members.start(0, key=2)  # the restarted engine
-        wait_ready(str(control), 0)
-        time.sleep(1.0)
-        (control / "stop").touch()
-        results = members.collect(120)
+        # rank 1 keeps reading rank 0's rows from the dead process's memory, then rank 0
+        # restarts from the holders
+        results = kill_and_restart(members, victim, 0, str(control), read_after_kill_s=1.0,
+                                   timeout_s=120)
     finally:
         for holder in holders:
             holder.close()
