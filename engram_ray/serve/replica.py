@@ -14,7 +14,8 @@ Failure: a member whose engine dies (EngineCore or a worker) restarts that engin
 its generation, re-attaching its slices from the slice holder this replica runs
 (`engram_ray.serve.member_restart`); the group's other members serve throughout and the
 ingress sends the member nothing until it is back. A member lost otherwise (its replica, GPU or
-node, a restart that failed, a health check failed) makes Serve stop every member of its gang
+node, a restart that failed, health checks failed as many times in a row as make Serve restart
+it; one failure that passes next time is not a loss) makes Serve stop every member of its gang
 and start a new gang (RESTART_GANG), so no engine serves next to peers of another generation.
 The replica tells the coordinator within a fraction of a second (`_watch_engine`), and the
 coordinator pings every member's actor; the ingress routes by what the coordinator says
@@ -34,6 +35,7 @@ import os
 import tempfile
 import time
 
+from ray.serve._private.constants import REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
 from ray.serve.llm.deployment import DPServer, LLMServer  # Ray 2.60's public names
 
 from engram_ray.errors import EngramRayError
@@ -52,6 +54,8 @@ GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
 # exist only once it serves; engram_ray.serve.engine_shm).
 RECORD_SEGMENTS_EVERY_S = 10.0
 ENGINE_WATCH_PERIOD_S = 0.1  # how often a replica looks whether its engine is still alive
+# Failed health checks in a row after which Serve restarts a replica (and so its gang).
+FAILED_CHECKS_TO_RESTART = REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
 logger = logging.getLogger("ray.serve")
 
 
@@ -271,12 +275,18 @@ class EngramServerMixin(MemberRestartMixin):
         try:
             await super().check_health()
         except Exception as exc:
-            if getattr(self, "_assignment", None) is not None:
-                await self._report_broken(f"health check failed ({type(exc).__name__})")
+            # A dead engine breaks the generation now; a check that fails and then passes
+            # does not: only as many failures in a row as make Serve restart the replica.
             death = self._engine_death("while serving")
+            self._failed_checks = getattr(self, "_failed_checks", 0) + 1
+            if getattr(self, "_assignment", None) is not None and (
+                    death is not None or self._failed_checks >= FAILED_CHECKS_TO_RESTART):
+                await self._report_broken(f"health check failed {self._failed_checks} time(s) "
+                                          f"in a row ({type(exc).__name__})")
             if death is None:
                 raise
             raise EngineDiedError(death.line()) from None
+        self._failed_checks = 0
         recorded_at = getattr(self, "_segments_recorded_at", None)  # None: not started yet
         if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
             self._segments_recorded_at = time.monotonic()

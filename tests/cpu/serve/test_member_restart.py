@@ -1,8 +1,10 @@
 """The restart-in-place decision of a replica whose engine died (`MemberRestartMixin`): a member
 that may not restart (no slices held, the coordinator refuses because the generation broke
 meanwhile, or the coordinator cannot be reached) is lost: it reports its generation broken and
-its health checks fail from then on, so Serve restarts the gang. The restart itself runs end
-to end in tests/cpu/local (an EngineCore or worker killed under load)."""
+its health checks fail from then on, so Serve restarts the gang. A health check that fails
+while the engine lives breaks the generation only after as many failures in a row as make
+Serve restart the replica. The restart itself runs end to end in tests/cpu/local (an
+EngineCore or worker killed under load)."""
 
 import asyncio
 
@@ -79,3 +81,62 @@ def test_a_restart_that_fails_loses_the_member_naming_why():
     assert member._restart_error == ("engine of group-0-r1 could not restart in place: "
                                      "RuntimeError: not in this test")
     assert member.reported == [member._restart_error]
+
+
+class _Checks:
+    """Ray Serve LLM's own health check: fails where `failures` says so, in turn."""
+
+    def __init__(self, failures):
+        self.failures = list(failures)
+
+    async def check_health(self):
+        if self.failures.pop(0):
+            raise TimeoutError("the engine answered late")
+
+
+def _replica(failures):
+    from engram_ray.serve.replica import EngramServerMixin
+
+    class Replica(EngramServerMixin, _Checks):
+        def __init__(self):
+            _Checks.__init__(self, failures)
+            self._assignment, self.reported = {"group_id": "group-0"}, []
+
+        def _engine_death(self, phase):
+            return None  # the engine lives: the failures are transient
+
+        async def _report_broken(self, reason):
+            self.reported.append(reason)
+
+        def __del__(self):  # the mixin's async __del__ is Serve's to await
+            pass
+
+    return Replica()
+
+
+def _run_checks(replica, count: int) -> list[bool]:
+    async def checks():
+        passed = []
+        for _ in range(count):
+            try:
+                await replica.check_health()
+                passed.append(True)
+            except TimeoutError:
+                passed.append(False)
+        return passed
+    return asyncio.run(checks())
+
+
+def test_a_health_check_that_fails_once_does_not_break_the_generation():
+    replica = _replica([True, False, True, True, False])
+    assert _run_checks(replica, 5) == [False, True, False, False, True]
+    assert replica.reported == []  # never as many failures in a row as make Serve restart it
+
+
+def test_failures_in_a_row_that_make_serve_restart_the_replica_break_the_generation():
+    from engram_ray.serve.replica import FAILED_CHECKS_TO_RESTART
+
+    replica = _replica([True] * FAILED_CHECKS_TO_RESTART)
+    assert not any(_run_checks(replica, FAILED_CHECKS_TO_RESTART))
+    assert replica.reported == [f"health check failed {FAILED_CHECKS_TO_RESTART} time(s) in a "
+                                "row (TimeoutError)"]
