@@ -120,7 +120,8 @@ class RequestLimits(_Section):
     max_guided_chars: int = _field(32768, "longest guided-decoding constraint, in characters "
                                           "of its JSON text: guided_json, guided_regex, "
                                           "guided_grammar, guided_choice, structural_tag, "
-                                          "structured_outputs, response_format's schema")
+                                          "structured_outputs, response_format's schema, "
+                                          "each tool's parameters")
     max_logit_bias: int = _field(300, "largest number of `logit_bias` entries (OpenAI's limit)")
     max_tools: int = _field(128, "largest number of `tools` (OpenAI's limit)")
     max_min_tokens: int = _field(8192, "largest `min_tokens` (tokens generated before a stop "

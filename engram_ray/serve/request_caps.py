@@ -133,6 +133,15 @@ def _check_guided(body: dict, limits: RequestLimits) -> None:
         if size > limits.max_guided_chars:
             _over(f"{name} is {size} characters long (as JSON)", "max_guided_chars", limits,
                   name)
+    # A tool's parameters are a JSON schema too: vLLM compiles it when a call is required.
+    tools = body.get("tools")
+    for idx, tool in enumerate(tools if isinstance(tools, list) else ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        schema = function.get("parameters") if isinstance(function, dict) else None
+        size = len(json.dumps(schema)) if schema is not None else 0
+        if size > limits.max_guided_chars:
+            _over(f"tools[{idx}].function.parameters is {size} characters long (as JSON)",
+                  "max_guided_chars", limits, "tools")
 
 
 def _has_schema(response_format) -> bool:

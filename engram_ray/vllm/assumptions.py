@@ -48,6 +48,9 @@ class SourceTree:
             return (self.root / path).read_text()
         except (KeyError, OSError) as exc:
             raise Broken(f"{path} is missing from {self.label}") from exc
+        except UnicodeDecodeError as exc:
+            raise Broken(f"{path} in {self.label} is not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from exc
 
     def parsed(self, path: str) -> ast.Module:
         if path not in self._parsed:

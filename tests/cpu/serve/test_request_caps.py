@@ -57,6 +57,8 @@ def test_completion_without_max_tokens_counts_vllms_default_and_token_prompts_th
     ("logit_bias", {str(i): 1 for i in range(301)}, "max_logit_bias", 300),
     ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
      "max_tools", 128),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "description": "x" * 40_000}}}], "max_guided_chars", 32768),
     ("min_tokens", 8193, "max_min_tokens", 8192),
 ])
 def test_each_new_cap_is_refused_naming_it_and_its_setting(field, value, cap, setting):
