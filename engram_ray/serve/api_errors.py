@@ -76,10 +76,10 @@ def generic_message(status: int, request_id: str, retry_after: str | None = None
             "its log has the details.")
 
 
-def client_message(text: str) -> str | None:
-    """`text` fit for a client (`unwrap`ped, long lists counted, at most MAX_MESSAGE_CHARS),
-    or None when it still leaks internals."""
-    text = shorten_lists(unwrap(text)[0])
+def client_message(reason: str) -> str | None:
+    """An `unwrap`ped `reason` fit for a client (long lists counted, at most
+    MAX_MESSAGE_CHARS), or None when it still leaks internals."""
+    text = shorten_lists(reason)
     if not text.strip() or leaks(text):
         return None
     return shorten(text)
@@ -171,6 +171,6 @@ def clean_error(status: int, body: bytes, request_id: str,
     if status >= 500:
         return error_bytes(status, generic_message(status, request_id, retry_after)), text
     # Generic only where the reason itself would leak internals (it then goes to the log).
-    message = client_message(text) or f"The request was refused (HTTP {status})."
-    return error_bytes(status, message, client_param(param) or client_param(unwrap(text)[1])
-                       ), text
+    reason, inner_param = unwrap(text)
+    message = client_message(reason) or f"The request was refused (HTTP {status})."
+    return error_bytes(status, message, client_param(param) or client_param(inner_param)), text

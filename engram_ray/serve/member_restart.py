@@ -66,6 +66,7 @@ class MemberRestartMixin:
 
     _restarting = False
     _restart_error: str | None = None
+    _failed_checks = 0  # health checks failed in a row while the engine lives (replica.py)
 
     def can_restart_in_place(self) -> bool:
         holder = getattr(self, "_holder", None)

@@ -278,7 +278,7 @@ class EngramServerMixin(MemberRestartMixin):
             # A dead engine breaks the generation now; a check that fails and then passes
             # does not: only as many failures in a row as make Serve restart the replica.
             death = self._engine_death("while serving")
-            self._failed_checks = getattr(self, "_failed_checks", 0) + 1
+            self._failed_checks += 1
             if getattr(self, "_assignment", None) is not None and (
                     death is not None or self._failed_checks >= FAILED_CHECKS_TO_RESTART):
                 await self._report_broken(f"health check failed {self._failed_checks} time(s) "

@@ -21,22 +21,17 @@ from pathlib import Path
 import pytest
 
 from engram_ray.local.loadgen import LOST, OK, Traffic, request_body
+from engram_ray.local.prometheus import free_port
 from engram_ray.serve.api_errors import leaks
 
 pytestmark = pytest.mark.slow
 PROMPT = "The river"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _free_port_block(num_ports: int) -> int:
     """A base port P with P .. P + num_ports - 1 free on 127.0.0.1."""
     for _ in range(50):
-        base = _free_port()
+        base = free_port()
         with contextlib.ExitStack() as held:
             try:
                 for port in range(base, base + num_ports):
@@ -55,7 +50,7 @@ def deployment(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("faults")
     # Fixed metrics ports (two engines of one node: slots 0 and 1, two endpoints each): a
     # restarted engine must bind its slot's port again.
-    local = LocalDeployment(LocalOptions(workdir=str(workdir), port=_free_port(),
+    local = LocalDeployment(LocalOptions(workdir=str(workdir), port=free_port(),
                                          num_peer_groups=2, peer_group_size=1,
                                          name="faults", metrics_port=_free_port_block(4)))
     try:
