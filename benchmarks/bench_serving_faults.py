@@ -12,7 +12,7 @@ new generation); then sends the malformed-request table (`engram_ray.local.probe
 `benchmarks/results/serving_faults/latest.md` and a line of its `history.jsonl` (`--results
 DIR` elsewhere; `--append` adds this layout's table to latest.md instead of replacing it): per
 kill `requests`, `lost_silently`, `failed_visibly`, `running_at_kill_failed`, `window_*`
-(requests sent from the kill until the member or group served again), `traffic_off_s`,
+(requests sent from the kill's detection until the member or group served again), `traffic_off_s`,
 `recovered_s` and the recovery's parts; `malformed_probes`, `malformed_4xx`,
 `tracebacks_in_bodies`.
 """
@@ -85,7 +85,7 @@ def markdown(result: dict) -> str:
              f"completions and chat, {result['max_tokens']} tokens; a request is served only "
              "if its client saw finish_reason and [DONE].", "",
              "| kill (kill -9) | group | same generation | requests | lost silently | "
-             "failed visibly | of them sent before the kill | sent until back: answered / "
+             "failed visibly | of them sent before detection | sent until back: answered / "
              "failed | 503 + Retry-After | traffic off (s) | back serving (s) | detection | "
              "engine restart | teardown | engine start | first answer | same answer |",
              "| --- " * 17 + "|"]
@@ -113,8 +113,9 @@ def markdown(result: dict) -> str:
               "detection = kill to the member marked restarting (the ingress stops sending it "
               "requests at once); engine restart = to the member serving again (dead "
               "processes reaped, new vLLM engine, slices re-attached from the replica's "
-              "holder). Sent until back: requests sent from the kill until the member (or, for "
-              "a replica, the new generation) served again. "
+              "holder). Sent until back: requests sent from the detection until the member "
+              "(or, for a replica, the new generation) served again; those sent between the "
+              "kill and its detection could still reach the dead engine. "
               "traffic off: from the kill to the start of the last request that still went to "
               "the broken generation or failed other than by the ingress's fail-fast 503. "
               "Replica kills (coordinator clock): detection = kill to the generation marked "

@@ -9,9 +9,11 @@ deployment (`engram_ray.local.deployment.LocalDeployment`, this process its Ray 
 An engine kill ("engine_core", "worker") restarts that member's engine in place, in its
 generation (`engram_ray.serve.member_restart`); a replica kill restarts the group's whole gang
 in a new generation. Per kill: requests sent, lost silently (must be 0), failed visibly,
-`running_at_kill_failed` (failures of requests sent before the kill: those running on the dead
-engine), `window_*` (requests sent from the kill until the member or group served again: every
-one must be answered), `traffic_off_s` (from the kill to the start of the last request that
+`running_at_kill_failed` (failures of requests sent before the kill was detected: those the
+dead engine had taken, including any sent in the fraction of a second between the kill and the
+coordinator marking the member restarting or the generation broken), `window_*` (requests sent
+from that detection until the member or group served again: every one must be answered),
+`traffic_off_s` (from the kill to the start of the last request that
 still went to the broken generation or failed other than by the ingress's fail-fast 503),
 `recovered_s` and the recovery's parts from the coordinator's record; given the greedy answers
 from before the first kill (`reference_answers`), `answers_checked` and `answers_differing`:
@@ -152,15 +154,19 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
         status = group_status(name, group_id)
         ended = next(h for h in status["history"] if h["generation"] == old)
         recovery = _recovery_parts(killed_wall, ended, status, back_at, killed_at)
+    # Until the coordinator knows (detection_s), a new request can still reach the dead engine.
+    detected_at = killed_at + (recovery["detection_s"] or 0.0)
     time.sleep(settle_s)
     results = traffic.results[first:]
-    window = [r for r in results if killed_at <= r.started_at <= (back_at or time.monotonic())]
+    window = [r for r in results
+              if detected_at <= r.started_at <= (back_at or time.monotonic())]
     return {"kind": kind, "group": group_id, "old_generation": old, "new_generation": new,
             "same_generation": new == old, "requests": len(results),
             "ok": sum(r.ok for r in results),
             "lost_silently": sum(r.outcome == LOST for r in results),
             "failed_visibly": sum(r.outcome == FAILED for r in results),
-            "running_at_kill_failed": sum(not r.ok for r in results if r.started_at < killed_at),
+            "running_at_kill_failed": sum(not r.ok for r in results
+                                          if r.started_at < detected_at),
             "window_requests": len(window), "window_ok": sum(r.ok for r in window),
             "window_failed": sum(not r.ok for r in window),
             "failed_503_retry_after": sum(r.status == 503 and r.retry_after is not None
