@@ -15,6 +15,7 @@ that failed says why, so the others fail at once instead of waiting out the time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -56,7 +57,8 @@ class Rendezvous:
         self.generation, self.size, self.rank = generation, size, rank
         self.timeout_s, self.store_dir = timeout_s, store_dir
         self._deadline = time.monotonic() + timeout_s
-        self._store = dist.FileStore(prepare_store_dir(store_dir), size)
+        self._path = prepare_store_dir(store_dir)
+        self._store = dist.FileStore(self._path, size)
         self._store.set_timeout(timedelta(seconds=timeout_s))
         self._claim_generation()
 
@@ -95,6 +97,7 @@ class Rendezvous:
         self._deadline = time.monotonic() + self.timeout_s
         self._wait_all("mapped", "map its peers' slices")
         self.close()
+        self._remove_store_file()
 
     def fail(self, reason: str) -> None:
         """Tell the other members why this one gives up (they stop waiting at once)."""
@@ -104,6 +107,18 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the store; the last of the `size` members to drop it deletes the file."""
         self._store = None
+
+    def _remove_store_file(self) -> None:
+        """NOTES: torch deletes the store file when the last of the `size` FileStore objects is
+        destroyed; once, under CI load, a group of 4 left it behind. So each member also marks
+        that its store is dropped (`left-<rank>`, after torch's destructor ran: none can open
+        the file again), and a member that finds every mark removes the file and the marks."""
+        marks = [os.path.join(self.store_dir, f"left-{r}") for r in range(self.size)]
+        os.close(os.open(marks[self.rank], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        if all(os.path.exists(mark) for mark in marks):
+            for path in (self._path, *marks):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def _wait_all(self, prefix: str, what: str) -> None:
         pending, pause = set(range(self.size)), _POLL_START_S

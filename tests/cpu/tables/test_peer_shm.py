@@ -46,6 +46,7 @@ def test_group_lookups_equal_reference(size, tmp_path, shm_dir):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert os.listdir(shm_dir) == []
     assert not os.path.exists(tmp_path / "store" / "rendezvous.filestore")
+    assert not list((tmp_path / "store").glob("left-*"))  # the marks of members that left
     # Each member's slices reached its peers through the holder its process ran for the
     # rendezvous (no replica holder here); every holder closed with the meeting.
     assert not list((tmp_path / "store").glob("holder-r*.sock"))
