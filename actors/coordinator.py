@@ -24,18 +24,27 @@ Created by `engram_ray.serve.app.build_app` before the engines (detached: a `ser
 task ends, the application stays). One left by an earlier deployment of the same name is reused
 when it was made with the same settings and groups, replaced when it differs and has no
 members, refused (with what to do) when it differs and still has members.
+
+Lifetime (`actors/lifetime.py`): killed, it restarts and rebuilds its book from the members
+(`rejoin`, sent by `engram_ray.serve.coordinator_link`); it ends with its Serve application,
+taking the store folders, the targets and the http_sd port with it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 
 import ray
 
+from engram_ray.actors.lifetime import (APP_CHECK_S, REBUILD_WAIT_S, ApplicationWatch,
+                                        is_restarted_actor)
 from engram_ray.errors import EngramRayError
-from engram_ray.metrics.exposition import TargetsServer, target_groups, write_file_sd
+from engram_ray.metrics.exposition import TargetsServer
+from engram_ray.metrics.target_book import TargetBook
+from engram_ray.planning.assignment import remove_store_dir
 
 logger = logging.getLogger(__name__)
 WATCH_PERIOD_S = 0.2     # how often every ready member's replica actor is pinged
@@ -45,7 +54,8 @@ def coordinator_name(deployment_name: str) -> str:
     return f"engram-coordinator-{deployment_name}"
 
 
-@ray.remote(num_cpus=0, max_concurrency=16)
+# Restarted by Ray when its process dies, calls in flight retried (`actors/lifetime.py`).
+@ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1, max_task_retries=-1)
 class Coordinator:
     def __init__(self, app_config_dict: dict, domains: dict[str, str]):
         from engram_ray.model.layout import load_layout
@@ -54,14 +64,17 @@ class Coordinator:
 
         self.made_with = (app_config_dict, domains)
         config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
-        self.targets_file = config.serving.prometheus_targets_file
+        self.deployment_name = config.deployment.name
+        self.incarnation = secrets.token_hex(4)
+        # Versions go on from the wall clock (ms), so an ingress that polled the coordinator
+        # before a restart never takes a new table for one it has seen.
+        self._version = time.time_ns() // 1_000_000
+        self._rebuild_until = time.monotonic() + REBUILD_WAIT_S if is_restarted_actor() else 0.0
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
                                    domains)
-        self.targets: dict[str, dict] = {}
-        self.slots: dict[str, dict[int, str]] = {}  # node id -> {slot: replica id}
+        self.metric_targets = TargetBook(config.serving.prometheus_targets_file)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._version = 0
         self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
         threading.Thread(target=self._watch_members, daemon=True,
                          name="engram-member-watch").start()
@@ -70,6 +83,51 @@ class Coordinator:
             self.sd_server = TargetsServer(self.target_groups,
                                            config.serving.metrics_bind_address,
                                            config.serving.http_sd_port)
+        if self._rebuild_until:
+            logger.warning("engram-ray: coordinator %s restarted; rebuilding its groups from "
+                           "their members for up to %.0f s", self.deployment_name,
+                           REBUILD_WAIT_S)
+
+    # --- a restart: the members tell it what they hold (actors/lifetime.py) -----------------
+    def member_check(self) -> str:
+        """The incarnation: a member that joined another one rejoins (`rejoin`)."""
+        return self.incarnation
+
+    def rejoin(self, member: dict, actor=None) -> str | None:
+        """A member of a coordinator that died: `member` as `GenerationBook.rejoin` takes it
+        plus its metric `targets` ({key: {"target", "labels"}}), `slot` and `node_id`. The
+        incarnation, or None when this coordinator will not have it (a newer generation)."""
+        with self._lock:
+            if not self.book.rejoin(member):
+                return None
+            replica_id = member["replica_id"]
+            if actor is not None and member.get("ready_at") is not None:
+                self._actors[replica_id] = actor
+            self.metric_targets.restore(replica_id, member.get("node_id"), member.get("slot"),
+                                        member.get("targets") or {})
+            if self._rebuild_until and self.book.is_complete():
+                self._end_rebuild_locked()
+            return self.incarnation
+
+    def _wait_rebuilt(self) -> None:
+        """Calls that read or change groups wait until the members have rejoined."""
+        if self._rebuild_until:
+            with self._changed:
+                self._changed.wait_for(lambda: not self._rebuild_until,
+                                       timeout=max(0.0, self._rebuild_until - time.monotonic()))
+                if self._rebuild_until:
+                    self._end_rebuild_locked()
+
+    def _end_rebuild_locked(self) -> None:
+        self._rebuild_until = 0.0
+        stale = self.book.unclaimed_store_dirs()
+        for store_dir in stale:
+            remove_store_dir(store_dir)
+        logger.warning("engram-ray: coordinator %s rebuilt: %s; %d store folder(s) nobody "
+                       "claimed removed", self.deployment_name, {
+                           g: r["reason"] or "serving" for g, r in self.book.routing().items()},
+                       len(stale))
+        self._routing_changed_locked()
 
     def describe(self) -> tuple[tuple, int]:
         """(what it was made with, number of members of current generations)."""
@@ -78,26 +136,26 @@ class Coordinator:
 
     def join(self, group_id: str, gang_id: str, rank: int, world_size: int, replica_id: str,
              node_labels: dict | None = None) -> dict:
+        self._wait_rebuilt()
         with self._lock:
-            assignment = self.book.join(group_id, gang_id, rank, world_size, replica_id,
-                                        node_labels)
+            assignment = dict(self.book.join(group_id, gang_id, rank, world_size, replica_id,
+                                             node_labels), incarnation=self.incarnation)
             self._forget_ended_locked()
             self._routing_changed_locked()
             return assignment
 
     def leave(self, replica_id: str) -> None:
+        self._wait_rebuilt()
         with self._lock:
             self.book.leave(replica_id)
             self._actors.pop(replica_id, None)
             self._routing_changed_locked()
-            self.targets.pop(replica_id, None)
-            self.targets.pop(f"{replica_id}/model", None)
-            self._free_slot_locked(replica_id)
-            self._write_targets_locked()
+            self.metric_targets.forget(replica_id)
 
     # --- routing ------------------------------------------------------------------------
     def member_ready(self, replica_id: str, actor=None) -> None:
         """The member's engine serves; `actor` (its replica actor) is watched from now on."""
+        self._wait_rebuilt()
         with self._lock:
             if self.book.member_ready(replica_id) is not None:
                 if actor is not None:
@@ -108,6 +166,7 @@ class Coordinator:
         """Member `replica_id`'s engine died and restarts in place (its replica holds its
         slices): the ingress stops sending it requests; its group's other members serve on.
         False when its generation no longer serves (then it is not restarted in place)."""
+        self._wait_rebuilt()
         with self._lock:
             if not self.book.member_restarting(replica_id, reason):
                 return False
@@ -119,12 +178,14 @@ class Coordinator:
 
     def report_broken(self, replica_id: str, reason: str) -> None:
         """Member `replica_id` is lost (its engine died, its health check failed)."""
+        self._wait_rebuilt()
         with self._lock:
             self._break_locked(replica_id, reason)
 
     def routing(self, version: int = -1, timeout_s: float = 0.0) -> tuple[int, dict]:
         """(version, {group_id: {"generation", "serving", "reason"}}), returned as soon as
         the version differs from `version`, else after `timeout_s` (a long poll)."""
+        self._wait_rebuilt()
         with self._changed:
             self._changed.wait_for(lambda: self._version != version, timeout=timeout_s)
             return self._version, self.book.routing()
@@ -147,8 +208,13 @@ class Coordinator:
         """Ping every ready member's replica actor (one ping outstanding per member, so a
         busy replica delays no other's check); one found dead breaks its generation."""
         pending: dict = {}  # ping ref -> replica id
+        application, app_checked_at = ApplicationWatch(self.deployment_name), time.monotonic()
         while True:
             time.sleep(WATCH_PERIOD_S)
+            if time.monotonic() - app_checked_at >= APP_CHECK_S:
+                app_checked_at = time.monotonic()
+                if application.gone():
+                    self._end_with_application()
             with self._lock:
                 watched = dict(self._actors)
             waiting = set(pending.values())
@@ -173,36 +239,38 @@ class Coordinator:
             return self.book.status()
 
     def shutdown(self) -> None:
-        """Remove every store folder of the application's groups."""
+        """Remove every store folder of the application's groups, every metrics target (an
+        empty file_sd list), and close the http_sd port."""
         with self._lock:
             self.book.remove_stores()
+            self.metric_targets.clear()
+            sd_server, self.sd_server = self.sd_server, None
+        if sd_server is not None:  # outside the lock: a request being answered takes it
+            sd_server.stop()
 
-    # --- metric targets --------------------------------------------------------------------
+    def _end_with_application(self) -> None:
+        """Its Serve application is gone: clean up and end this actor for good."""
+        logger.warning("engram-ray: the application of %s is gone: the coordinator removes "
+                       "its store folders and targets and ends", self.deployment_name)
+        self.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    # --- metric targets (engram_ray.metrics.target_book) -----------------------------------
     def register_target(self, key: str, target: str, labels: dict | None = None) -> None:
+        self._wait_rebuilt()
         with self._lock:
-            self.targets[key] = {"target": target, "labels": labels or {}}
-            self._write_targets_locked()
+            self.metric_targets.register(key, target, labels)
 
     def target_groups(self) -> list[dict]:
         """Every engine's /metrics as Prometheus target groups (file_sd and http_sd)."""
         with self._lock:
-            return target_groups(self.targets)
+            return self.metric_targets.groups()
 
     def metrics_slot(self, replica_id: str, node_id: str) -> int:
         """The replica's slot on its node (the lowest free one; the same on a second ask)."""
+        self._wait_rebuilt()
         with self._lock:
-            taken = self.slots.setdefault(node_id, {})
-            for slot, holder in taken.items():
-                if holder == replica_id:
-                    return slot
-            slot = next(s for s in range(len(taken) + 1) if s not in taken)
-            taken[slot] = replica_id
-            return slot
-
-    def _free_slot_locked(self, replica_id: str) -> None:
-        for taken in self.slots.values():
-            for slot in [s for s, holder in taken.items() if holder == replica_id]:
-                del taken[slot]
+            return self.metric_targets.slot(replica_id, node_id)
 
     def _forget_ended_locked(self) -> None:
         """Targets of replicas no current generation holds (stopped with their gang)."""
@@ -210,21 +278,7 @@ class Coordinator:
                    for m in g.current.members.values()}
         for replica_id in [r for r in self._actors if r not in current]:
             del self._actors[replica_id]
-        for taken in self.slots.values():
-            for slot in [s for s, holder in taken.items() if holder not in current]:
-                del taken[slot]
-        stale = [k for k in self.targets if k.split("/")[0] not in current]
-        for key in stale:
-            del self.targets[key]
-        if stale:
-            self._write_targets_locked()
-
-    def _write_targets_locked(self) -> None:
-        try:
-            write_file_sd(self.targets_file, self.targets)
-        except OSError as exc:  # Prometheus misses a change; groups must still move on
-            logger.error("engram-ray: could not write the Prometheus targets list %s: %s",
-                         self.targets_file, exc)
+        self.metric_targets.keep_only(current.__contains__)
 
 
 def _head_node_id() -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from engram_ray.errors import EngramRayError
 from engram_ray.private_dirs import private_dir
 from engram_ray.serve.engine_death import EngineDiedError, deaths_dir, read_deaths
-from engram_ray.serve.engine_shm import processes_using, release_recorded
+from engram_ray.serve.engine_shm import processes_using, release_leftovers
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
 STARTUP_TIMEOUT_S = 900
@@ -113,7 +113,7 @@ class LocalDeployment:
         targets = self.config.serving.prometheus_targets_file
         if os.path.exists(targets):
             os.unlink(targets)
-        release_recorded(wait_s=0.0 if refuse_live else 15.0)
+        release_leftovers(wait_s=0.0 if refuse_live else 15.0)
 
     def make_model(self) -> None:
         from engram_ray.vllm.tiny_checkpoint import write_tiny_model

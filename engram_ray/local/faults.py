@@ -8,7 +8,9 @@ deployment (`engram_ray.local.deployment.LocalDeployment`, this process its Ray 
 
 An engine kill ("engine_core", "worker") restarts that member's engine in place, in its
 generation (`engram_ray.serve.member_restart`); a replica kill restarts the group's whole gang
-in a new generation. Per kill: requests sent, lost silently (must be 0), failed visibly,
+in a new generation; a coordinator kill (its process, kill -9) restarts the coordinator, which
+rebuilds its groups from the members (`actors/lifetime.py`) while every group serves on:
+`recovered_s` is then when it answered again with every group as before. Per kill: requests sent, lost silently (must be 0), failed visibly,
 `running_at_kill_failed` (failures of requests sent before the kill was detected: those the
 dead engine had taken, including any sent in the fraction of a second between the kill and the
 coordinator marking the member restarting or the generation broken), `window_*` (requests sent
@@ -31,7 +33,8 @@ from collections import Counter
 from engram_ray.local.loadgen import FAILED, LOST, RequestResult, Traffic
 
 ENGINE_KINDS = ("engine_core", "worker")   # restarted in place, same generation
-KILL_KINDS = ENGINE_KINDS + ("replica",)   # a replica: its whole gang, a new generation
+KILL_KINDS = ENGINE_KINDS + ("replica",    # a replica: its whole gang, a new generation
+                              "coordinator")  # restarts, rebuilt from the members
 
 
 def replica_actors(group_id: str) -> list:
@@ -54,6 +57,35 @@ def engine_core_pid(replica) -> int:
         if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
             return child.pid
     raise RuntimeError(f"replica process {replica_pid} has no EngineCore child")
+
+
+def coordinator_pid(deployment_name: str) -> int:
+    import ray
+
+    from engram_ray.actors.coordinator import find_coordinator
+
+    return ray.get(find_coordinator(deployment_name).__ray_call__.remote(
+        lambda _self: os.getpid()))
+
+
+def wait_coordinator_back(deployment_name: str, old_incarnation: str, routing_before: dict,
+                          timeout_s: float) -> float:
+    """Monotonic time when the coordinator answered with a new incarnation and the routing
+    table it had (every group's generation and serving state) before its restart."""
+    import ray
+
+    from engram_ray.actors.coordinator import find_coordinator
+
+    deadline, coordinator = time.monotonic() + timeout_s, find_coordinator(deployment_name)
+    while time.monotonic() < deadline:
+        if ray.get(coordinator.member_check.remote()) != old_incarnation:
+            table = routing(deployment_name)
+            if all(table[g]["generation"] == r["generation"] and table[g]["serving"]
+                   == r["serving"] for g, r in routing_before.items()):
+                return time.monotonic()
+        time.sleep(0.2)
+    raise TimeoutError(f"the coordinator did not come back with its groups within "
+                       f"{timeout_s:.0f} s (last: {routing(deployment_name)})")
 
 
 def kill(kind: str, group_id: str) -> None:
@@ -137,18 +169,30 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
     """Kill `kind` in `group_id` while `traffic` runs; wait until the member (engine kinds) or
     the group's new generation (replica) serves and `settle_s` more; the figures of the
     module docstring (`reference`: `reference_answers` of the traffic before any kill)."""
+    import ray
+
+    from engram_ray.actors.coordinator import find_coordinator
+
     name = deployment.config.deployment.name
-    old = routing(name)[group_id]["generation"]
+    table = routing(name)
+    old = table[group_id]["generation"]
     num_restarts = len(group_status(name, group_id)["restarts"])
+    incarnation = ray.get(find_coordinator(name).member_check.remote())
+    pid = coordinator_pid(name) if kind == "coordinator" else None
     first = len(traffic.results)
     killed_at, killed_wall = time.monotonic(), time.time()
-    kill(kind, group_id)
-    if kind in ENGINE_KINDS:
+    if kind == "coordinator":
+        os.kill(pid, signal.SIGKILL)
+        back_at = wait_coordinator_back(name, incarnation, table, recovery_timeout_s)
+        new, recovery = routing(name)[group_id]["generation"], {"detection_s": 0.0}
+    elif kind in ENGINE_KINDS:
+        kill(kind, group_id)
         restart = wait_member_back(name, group_id, num_restarts, recovery_timeout_s)
         new, back_at = old, killed_at + restart["ready_at"] - killed_wall
         recovery = {"detection_s": _span(killed_wall, restart["since"]),
                     "engine_restart_s": _span(restart["since"], restart["ready_at"])}
     else:
+        kill(kind, group_id)
         new = wait_serving(name, group_id, other_than=old, timeout_s=recovery_timeout_s)
         back_at = _first_answer(traffic, new, timeout_s=60.0)
         status = group_status(name, group_id)

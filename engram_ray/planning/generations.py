@@ -13,6 +13,12 @@ members were stopped before Serve started the new gang.
     book.break_generation(group_id, generation, why)  # a member lost: stop routing to it
     book.routing() -> {group_id: {"generation", "serving", "reason", "serving_members",
                                   "restarting_ranks"}}
+    book.rejoin(member_record)                      # a restarted coordinator learns a member
+
+A coordinator that restarts (its process died) starts with an empty book: every live member
+tells it what it holds (`rejoin`: its assignment, whether its engine serves or restarts), so
+the book is rebuilt from the members; `unclaimed_store_dirs` are the generation folders no
+rebuilt generation owns (left by gangs that ended while no coordinator ran).
 
 A group serves (the ingress sends it requests) while its current generation has had every
 member ready, none lost, and at least one member not restarting; requests go to the members
@@ -25,6 +31,7 @@ next gang opens a new generation.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -117,6 +124,48 @@ class GenerationBook:
                 "handle_type": dep.handle_type,
                 "slices": [(s.layer_id, s.start, s.end)
                            for s in slices_of(self.layout, rank, dep.peer_group_size)]}
+
+    def rejoin(self, member: dict) -> bool:
+        """Rebuild member `member["replica_id"]` from what it holds: `assignment` (as `join`
+        gave it), `node_labels`, `ready_at` (wall time its engine served, or None),
+        `restarting` ({"reason", "since"} or None), `broken` (why it is lost, or None). False
+        when its group has a newer generation or another config (it is being replaced)."""
+        a = member["assignment"]
+        group = self.groups.get(a["group_id"])
+        if group is None or a["size"] != self.config.peer_group_size:
+            return False
+        gen = group.current
+        if gen is None or gen.index < a["generation_index"]:
+            gen = group.current = Generation(a["generation_index"], a["generation"],
+                                             a["gang_id"], a["store_dir"])
+        elif gen.generation != a["generation"]:
+            return False
+        rank = a["member_rank"]
+        gen.members[rank] = {"replica_id": member["replica_id"],
+                             "node_labels": dict(member.get("node_labels") or {})}
+        if member.get("ready_at") is not None:
+            gen.ready_at[rank] = member["ready_at"]
+        if member.get("restarting"):
+            gen.restarting[rank] = dict(member["restarting"])
+        if member.get("broken") and gen.broken is None:
+            gen.broken, gen.broken_at = f"member {rank}: {member['broken']}", time.time()
+        return True
+
+    def is_complete(self) -> bool:
+        """Every group has a current generation with all its members known."""
+        size = self.config.peer_group_size
+        return all(g.current is not None and len(g.current.members) == size
+                   for g in self.groups.values())
+
+    def unclaimed_store_dirs(self) -> list[str]:
+        """Generation folders under the groups' store roots that no current generation owns."""
+        found = []
+        for gid, group in self.groups.items():
+            root = group_store_root(self.config.peer_group_store, self.config.name, gid)
+            owned = group.current.store_dir if group.current else None
+            found += [os.path.join(root, name) for name in _listdir(root)
+                      if os.path.join(root, name) != owned]
+        return sorted(found)
 
     def leave(self, replica_id: str) -> None:
         """A member stopped (Serve stops a gang's members before it starts the next one; a
@@ -217,3 +266,10 @@ class GenerationBook:
                       "restarts": list(g.current.restarts) if g.current else [],
                       "history": list(g.history)}
                 for gid, g in self.groups.items()}
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []

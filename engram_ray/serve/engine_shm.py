@@ -9,6 +9,12 @@ Records live in a private folder (`engram_ray.private_dirs`), and a record is st
 list of names: a segment is unlinked only when it is one of this user's own regular files
 directly in /dev/shm with a name Python's shared_memory makes (`is_own_segment`), whatever
 path a record gives.
+
+Semaphores: a killed engine process also leaves the POSIX semaphores of Python's
+multiprocessing (/dev/shm/sem.mp-*, 32 bytes each; its resource tracker died with it).
+`release_semaphores` unlinks those of this user that no live process maps. A process maps a
+semaphore under its name, or (the one that created it: glibc makes it under a temporary name,
+then links it) under a deleted temporary name, so users are found by inode, not by name.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from engram_ray.private_dirs import PROJECT_TMP, private_dir
 RECORDS = Path(PROJECT_TMP, "engine-shm")
 # psm_ + token_hex (multiprocessing.shared_memory._make_filename): nothing else, no "/" or "..".
 SEGMENT_NAME = re.compile(r"/dev/shm/psm_[0-9a-f]{8,32}")
+# sem.mp- + 8 of [a-z0-9_] (multiprocessing.synchronize.SemLock._make_name, as glibc stores it)
+SEMAPHORE_NAME = re.compile(r"/dev/shm/sem\.mp-[0-9a-z_]{8}")
 
 
 def _mapped_path(line: str) -> str:
@@ -59,6 +67,53 @@ def _users(paths: list[str]) -> dict[str, set[int]]:
         for path in found:
             users.setdefault(path, set()).add(pid)
     return users
+
+
+def _mapped_inodes() -> set[int] | None:
+    """Inodes of every file in /dev/shm that a live process this user may inspect maps
+    (this one included); None when /proc cannot be read."""
+    shm_dev = os.stat("/dev/shm").st_dev
+    major, minor = os.major(shm_dev), os.minor(shm_dev)
+    inodes, seen_any = set(), False
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(os.path.join(proc, "maps")) as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        dev = fields[3].split(":")
+                        if (int(dev[0], 16), int(dev[1], 16)) == (major, minor):
+                            inodes.add(int(fields[4]))
+            seen_any = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return inodes if seen_any else None
+
+
+def release_semaphores() -> list[str]:
+    """Unlink this user's multiprocessing semaphores (`SEMAPHORE_NAME`, regular files) that
+    no live process maps (killed engines leave them); the names removed."""
+    candidates = []
+    for path in glob.glob("/dev/shm/sem.mp-*"):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        if SEMAPHORE_NAME.fullmatch(path) and stat.S_ISREG(st.st_mode) \
+                and st.st_uid == os.getuid():
+            candidates.append((path, st.st_ino))
+    mapped = _mapped_inodes() if candidates else set()
+    if mapped is None:
+        return []
+    removed = []
+    for path, inode in candidates:
+        if inode not in mapped:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def processes_using(paths: list[str]) -> set[int]:
@@ -159,3 +214,13 @@ def release_recorded(owner: str | None = None, wait_s: float = 0.0) -> list[str]
         if not kept or time.monotonic() >= deadline:
             return sorted(kept)
         time.sleep(0.5)
+
+
+def release_leftovers(owner: str | None = None, wait_s: float = 0.0) -> list[str]:
+    """`release_recorded(owner, wait_s)`, then every unused semaphore (`release_semaphores`):
+    what a replica runs when it starts and stops, so that what killed replicas and engines
+    left on its node goes with the next one to start or stop there. Returns the segments
+    kept."""
+    kept = release_recorded(owner, wait_s)
+    release_semaphores()
+    return kept

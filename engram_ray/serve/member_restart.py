@@ -67,6 +67,11 @@ class MemberRestartMixin:
     _restarting = False
     _restart_error: str | None = None
     _failed_checks = 0  # health checks failed in a row while the engine lives (replica.py)
+    _restart_reason: str | None = None  # why its engine restarts now (None: it does not)
+    _restart_since: float | None = None
+
+    def _note_restarting(self, reason: str | None) -> None:
+        self._restart_reason, self._restart_since = reason, time.time()
 
     def can_restart_in_place(self) -> bool:
         holder = getattr(self, "_holder", None)
@@ -96,6 +101,7 @@ class MemberRestartMixin:
                 await self._lose(reason)
                 return
             started, a = time.monotonic(), self._assignment
+            self._note_restarting(reason)
             self.engram_metrics.set_group(a["generation_index"], False)
             try:
                 phases = await self._restart_engine()
@@ -107,6 +113,7 @@ class MemberRestartMixin:
                 return
         finally:
             self._restarting = False
+            self._note_restarting(None)
         self._death = None
         self.engram_metrics.count_engine_restart()
         self.engram_metrics.set_group(a["generation_index"], True)
@@ -167,7 +174,7 @@ class MemberRestartMixin:
     async def _stop_engine(self) -> None:
         """vLLM's client shut down, every process of the engine killed and waited for, its
         ring buffers released."""
-        from engram_ray.serve.engine_shm import release_recorded
+        from engram_ray.serve.engine_shm import release_leftovers
 
         client = getattr(self.engine, "_engine_client", None)
         if client is not None and hasattr(client, "shutdown"):
@@ -175,7 +182,7 @@ class MemberRestartMixin:
         stuck = await asyncio.to_thread(self._engine_processes.kill)
         if stuck:
             raise RuntimeError(f"processes {stuck} of the engine did not exit")
-        await asyncio.to_thread(release_recorded, self._replica_id)
+        await asyncio.to_thread(release_leftovers, self._replica_id)
 
 
 async def _engine_started_off_the_loop(engine_cls, llm_config, step=lambda _name: None):

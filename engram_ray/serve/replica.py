@@ -42,8 +42,9 @@ from engram_ray.errors import EngramRayError
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
                                            port_name)
+from engram_ray.serve.coordinator_link import CoordinatorLinkMixin
 from engram_ray.serve.engine_death import EngineDiedError, EngineWatch, deaths_dir
-from engram_ray.serve.engine_shm import record_segments, release_recorded
+from engram_ray.serve.engine_shm import record_segments, release_leftovers
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
 from engram_ray.serve.member_restart import MemberRestartMixin, own_actor
 from engram_ray.tables.settings import PeerGroupSettings
@@ -106,7 +107,7 @@ def peer_group_settings(assignment: dict, dp_rank: int = 0,
                              **{key: assignment[key] for key in keys})
 
 
-class EngramServerMixin(MemberRestartMixin):
+class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
     async def start(self):
@@ -117,10 +118,13 @@ class EngramServerMixin(MemberRestartMixin):
         self._app = app = ServeAppConfig.from_dict(raw, "replica")
         self._coordinator = find_coordinator(app.deployment.name)
         self._replica_id, gang, labels = self._replica()
+        self._replica_labels = labels
         joined_at = time.perf_counter()
         group_id = self._llm_config.experimental_configs[GROUP_KEY]["group_id"]
         self._assignment = a = await self._coordinator.join.remote(
             group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
+        self._start_link()  # kept across the coordinator's restarts
+        await asyncio.to_thread(release_leftovers)  # what killed replicas left on this node
         try:  # from here on this replica holds a rank: a failure gives it back at once
             if getattr(self, "dp_size", 1) == 1:  # DP gangs restart whole (member_restart)
                 from engram_ray.tables.slice_holder import SliceHolder
@@ -129,6 +133,7 @@ class EngramServerMixin(MemberRestartMixin):
             self.engram_metrics.set_group(a["generation_index"], True,
                                           rendezvous_seconds=time.perf_counter() - joined_at)
             await self._engine_started()
+            self._ready_at = time.time()
             await self._coordinator.member_ready.remote(self._replica_id, own_actor())
             self._engine_watch_task = asyncio.get_running_loop().create_task(
                 self._watch_engine())
@@ -162,8 +167,9 @@ class EngramServerMixin(MemberRestartMixin):
         self._model_target_file = os.path.join(
             tempfile.gettempdir(), "engram-ray", "model-targets", f"{self._replica_id}.json")
         # Fixed ports (serving.metrics_port > 0): base + 2 * this engine's slot on its node.
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._metrics_slot = slot = await self._coordinator.metrics_slot.remote(
-            self._replica_id, ray.get_runtime_context().get_node_id())
+            self._replica_id, self._node_id)
         additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
         settings = peer_group_settings(a, getattr(self, "dp_rank", 0),
                                        holders=getattr(self, "_holder", None) is not None)
@@ -188,8 +194,8 @@ class EngramServerMixin(MemberRestartMixin):
                                              metrics_port(app.serving.metrics_port, slot,
                                                           "replica"),
                                              advertise_host=ray.util.get_node_ip_address())
-        await self._coordinator.register_target.remote(
-            self._replica_id, self._metrics_server.target, self._target_labels("replica"))
+        await self._register_target(self._replica_id, self._metrics_server.target,
+                                    self._target_labels("replica"))
         self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
             app.deployment.peer_group_store, app.deployment.name))
         await super().start()
@@ -224,6 +230,7 @@ class EngramServerMixin(MemberRestartMixin):
         if getattr(self, "_reported_broken", False):
             return
         self._reported_broken = True
+        self._lost_reason = reason
         try:
             await self._coordinator.report_broken.remote(self._replica_id, reason)
         except Exception as exc:  # the coordinator's own watch still finds the replica
@@ -237,8 +244,8 @@ class EngramServerMixin(MemberRestartMixin):
             with open(self._model_target_file) as f:
                 target = json.load(f)["target"]
             os.unlink(self._model_target_file)
-            await self._coordinator.register_target.remote(
-                f"{self._replica_id}/model", target, self._target_labels("model"))
+            await self._register_target(f"{self._replica_id}/model", target,
+                                        self._target_labels("model"))
 
     def _target_labels(self, endpoint: str) -> dict:
         """Labels of one of this engine's Prometheus targets: `endpoint` (its port name with
@@ -309,6 +316,7 @@ class EngramServerMixin(MemberRestartMixin):
         return options
 
     async def _leave(self) -> None:
+        self._stop_link()
         holder = getattr(self, "_holder", None)
         if holder is not None:
             holder.close()
@@ -334,12 +342,11 @@ class EngramServerMixin(MemberRestartMixin):
 def _shut_down_vllm(server) -> None:
     """Stop the replica's vLLM engine (AsyncLLM: its engine-core process and executor), as
     Ray Serve LLM's own shutdown does not, then release the shared-memory ring buffers the
-    engine mapped (`engine_shm`): killed with the replica, they would stay behind."""
+    engine mapped, and what killed replicas left on this node (`engine_shm`)."""
     client = getattr(getattr(server, "engine", None), "_engine_client", None)
     if client is not None and hasattr(client, "shutdown"):
         client.shutdown()
-    if getattr(server, "_replica_id", None) is not None:
-        release_recorded(server._replica_id)
+    release_leftovers()  # this engine's, and any a killed replica left on this node
 
 
 class EngramLLMServer(EngramServerMixin, LLMServer):

@@ -7,6 +7,9 @@
   driver, EngineCore and every worker) before model code; no other process the project starts
   runs AMX code of vLLM's (Ray actors, the CLI and the torch reference use oneDNN, which asks
   for itself);
+- in vLLM's engine processes (EngineCore, workers), watches the parent process and ends the
+  engine when it is gone (`engram_ray.vllm.orphan_watch`: a killed replica leaves no engine
+  holding its GPU memory and ports);
 - turns on Python's `faulthandler` (if not on already), so a process killed by a fatal signal
   (SIGILL, SIGSEGV, SIGBUS, SIGFPE, SIGABRT) says which signal and where on its stderr, the
   replica's log: vLLM itself logs only an exit code, and not at all for a worker that dies
@@ -70,8 +73,10 @@ def install_deepseek_patch() -> None:
 
 def register() -> None:
     from engram_ray.vllm.cpu_features import request_amx
+    from engram_ray.vllm.orphan_watch import watch_parent
 
     request_amx()  # first: before vLLM can run an AMX instruction in this process (see above)
+    watch_parent()  # an engine process ends with its parent, however that dies
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
     from vllm import ModelRegistry

@@ -99,15 +99,26 @@ def _check_inside_domains(records, peer_group_size: int, num_groups: int) -> dic
     return groups
 
 
-def _shutdown_app(name="placement"):
+def _shutdown_app(name="placement", store=None):
+    """`serve delete`: the coordinator goes by itself with its application (it looks every
+    APP_CHECK_S), taking the store folders with it."""
     from ray import serve
 
     from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.lifetime import APP_CHECK_S
 
     serve.delete(name)
-    coordinator = find_coordinator(name)
-    ray.get(coordinator.shutdown.remote())
-    ray.kill(coordinator)
+    deadline = time.monotonic() + 3 * APP_CHECK_S + 10
+    while time.monotonic() < deadline:
+        try:
+            find_coordinator(name)
+        except ValueError:  # gone
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the coordinator of {name} outlived its application")
+    if store is not None:
+        assert not list(Path(store, name).glob("group-*/*")), list(Path(store).rglob("*"))
 
 
 # Two groups of 4 filling both domains: test_dep_gangs_nest_inside_one_group[4-2] deploys
@@ -125,7 +136,7 @@ def test_every_member_of_a_group_runs_in_its_domain(cluster, tmp_path, peer_grou
                                             for m in members} == set(DOMAINS[members[0]
                                                                              ["domain_id"]])
     finally:
-        _shutdown_app()
+        _shutdown_app(store=tmp_path / "store")
 
 
 @pytest.mark.parametrize("peer_group_size,num_groups", [(4, 2), (2, 2)])

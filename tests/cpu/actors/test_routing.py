@@ -191,3 +191,81 @@ def test_a_failure_seen_only_by_the_ingress_expires(monkeypatch):
     assert not routing.is_serving("group-0")
     time.sleep(0.06)
     assert routing.is_serving("group-0")
+
+
+def _member_record(assignment: dict, replica_id: str, ready: bool = True) -> dict:
+    """What a replica's coordinator link sends a restarted coordinator
+    (`engram_ray.serve.coordinator_link`)."""
+    return {"replica_id": replica_id, "assignment": assignment, "node_labels": {},
+            "ready_at": time.time() if ready else None, "restarting": None, "broken": None,
+            "targets": {replica_id: {"target": f"127.0.0.1:9{replica_id[-1]}", "labels": {}}},
+            "slot": 0, "node_id": f"node-{replica_id}"}
+
+
+def test_a_rebuilt_book_routes_as_before_and_refuses_older_generations(tmp_path):
+    book = _book(tmp_path)
+    a0 = book.join("group-0", "g", 0, 2, "a")
+    a1 = book.join("group-0", "g", 1, 2, "b")
+    book.member_ready("a"), book.member_ready("b")
+    book.member_restarting("b", "engine died")
+    before = book.routing()
+    stale = Path(a0["store_dir"]).parent / "local-old-generation"
+    stale.mkdir(mode=0o700)
+    rebuilt = _book(tmp_path)
+    assert not rebuilt.is_complete()
+    assert rebuilt.rejoin(_member_record(a0, "a"))
+    record = _member_record(a1, "b")
+    record["restarting"] = {"reason": "engine died", "since": time.time()}
+    assert rebuilt.rejoin(record)
+    assert rebuilt.routing()["group-0"] == before["group-0"]
+    assert rebuilt.unclaimed_store_dirs() == [str(stale)]
+    older = dict(a0, generation="older", generation_index=0)
+    assert not rebuilt.rejoin(_member_record(older, "z"))
+    assert not rebuilt.is_complete()  # group-1 has no generation
+    # A rebuilt generation goes on as any: its next gang opens generation index + 1.
+    assert rebuilt.join("group-0", "g2", 0, 2, "c")["generation_index"] == a0["generation_index"] + 1
+
+
+def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, tmp_path):
+    """kill -9 of the coordinator's process: Ray restarts it; calls in flight wait for the
+    members to rejoin (the ingress keeps its table meanwhile), then answer as before; a folder
+    no member claims is removed; a join after the rebuild continues the generation."""
+    import os
+    import signal
+
+    ray = ray_local
+    from engram_ray.actors.coordinator import get_coordinator
+
+    raw = _raw(tmp_path, "rebuild")
+    raw["deployment"]["peer_group_size"] = 1
+    raw["serving"]["num_peer_groups"] = 2
+    coordinator = get_coordinator(raw, {"group-0": "a", "group-1": "b"}, "rebuild")
+    assignments = {}
+    for i in range(2):
+        assignments[f"m{i}"] = ray.get(coordinator.join.remote(f"group-{i}", f"g{i}", 0, 1,
+                                                               f"m{i}"))
+        ray.get(coordinator.member_ready.remote(f"m{i}"))
+    version, before = ray.get(coordinator.routing.remote())
+    incarnation = ray.get(coordinator.member_check.remote())
+    assert assignments["m0"]["incarnation"] == incarnation
+    stale = Path(assignments["m0"]["store_dir"]).parent / "rebuild-group-0-old"
+    stale.mkdir(mode=0o700)
+    pid = ray.get(coordinator.__ray_call__.remote(lambda _self: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    poll = coordinator.routing.remote(version, 30.0)  # retried on the restarted actor
+    time.sleep(1.0)
+    ready, _ = ray.wait([poll], timeout=0)
+    assert not ready  # it waits for the members instead of answering an empty table
+    assert ray.get(coordinator.member_check.remote()) != incarnation
+    for replica_id, a in assignments.items():
+        assert ray.get(coordinator.rejoin.remote(_member_record(a, replica_id)))
+    new_version, after = ray.get(poll, timeout=10)
+    assert after == before and new_version > version
+    assert not stale.exists() and Path(assignments["m0"]["store_dir"]).is_dir()
+    targets = {t for g in ray.get(coordinator.target_groups.remote()) for t in g["targets"]}
+    assert targets == {"127.0.0.1:90", "127.0.0.1:91"}
+    again = ray.get(coordinator.join.remote("group-0", "g0", 0, 1, "m0"))
+    assert again["generation"] == assignments["m0"]["generation"]
+    ray.get(coordinator.shutdown.remote())
+    assert not Path(assignments["m0"]["store_dir"]).exists()
+    ray.kill(coordinator)

@@ -1,8 +1,9 @@
 """Faults and bad input on the local deployment, as its clients see them (issue 20).
 
 Two CPU engines as two peer groups of one engine each, under a load generator that counts a
-request as served only if its client saw it complete (finish_reason and [DONE]): group-0's
-vLLM worker is killed (kill -9: its engine restarts in place, same generation, slices
+request as served only if its client saw it complete (finish_reason and [DONE]): the
+coordinator's process is killed (kill -9: it restarts and rebuilds its groups from the members
+while both groups serve; not one request may fail), then group-0's vLLM worker is killed (kill -9: its engine restarts in place, same generation, slices
 re-attached), then, once it serves again, group-1's Serve replica (a new generation). Asserted:
 no request lost silently, every failure visible to its client, every request sent while the
 worker's engine restarted answered, traffic off the broken group within 2 s (the benchmark
@@ -99,7 +100,8 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
         time.sleep(4.0)
         greedy = reference_answers(traffic.results)
         kills = [kill_under_load(deployment, traffic, kind, group, reference=greedy)
-                 for kind, group in (("worker", "group-0"), ("replica", "group-1"))]
+                 for kind, group in (("coordinator", "group-0"), ("worker", "group-0"),
+                                     ("replica", "group-1"))]
     finally:
         results = traffic.stop()
     for k in kills:
@@ -108,8 +110,13 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
     lost = [r for r in results if r.outcome == LOST]
     assert not lost, [(r.error, r.status, r.stream) for r in lost[:5]]
     assert sum(r.outcome == OK for r in results) > 0.8 * len(results)
-    assert kills[0]["same_generation"] and kills[0]["window_failed"] == 0, kills[0]
-    assert kills[0]["window_requests"] > 0 and not kills[1]["same_generation"]
+    coordinator, worker, replica = kills
+    # The coordinator's restart: every group as before, not one request failed.
+    assert coordinator["same_generation"] and coordinator["failed_visibly"] == 0, coordinator
+    assert coordinator["window_requests"] > 0 and coordinator["window_failed"] == 0, coordinator
+    # Then a member restart works with the rebuilt coordinator.
+    assert worker["same_generation"] and worker["window_failed"] == 0, worker
+    assert worker["window_requests"] > 0 and not replica["same_generation"]
     for k in kills:
         # Every complete answer, during and after each recovery, token-identical.
         assert k["answers_checked"] > 0 and k["answers_differing"] == 0, k

@@ -98,3 +98,38 @@ def test_an_open_records_folder_is_refused(tmp_path, monkeypatch):
         engine_shm.release_recorded()
     with pytest.raises(UnsafeFolderError, match="has mode 0777"):
         engine_shm.record_segments("replica-3")
+
+
+def test_semaphores_of_killed_processes_go_and_live_ones_stay():
+    """A process killed with a multiprocessing semaphore leaves /dev/shm/sem.mp-*; those a
+    live process created (this one, a child: each maps it only under glibc's deleted temporary
+    name, so only its inode tells) are in use and stay."""
+    import _multiprocessing
+    import secrets
+
+    def name() -> str:
+        return "/mp-" + secrets.token_hex(4)
+
+    leaked, live, opened = name(), name(), name()
+    make = ("import _multiprocessing, os, signal, sys, time; "
+            "s = _multiprocessing.SemLock(1, 1, 1, sys.argv[1], False); ")
+    subprocess.run([sys.executable, "-c", make + "os.kill(os.getpid(), signal.SIGKILL)", leaked])
+    own = _multiprocessing.SemLock(1, 1, 1, live, False)  # noqa: F841 - held while released
+    holder = subprocess.Popen([sys.executable, "-c", make + "print(1, flush=True); "
+                               "time.sleep(60)", opened], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"1"
+        paths = {n: f"/dev/shm/sem.{n[1:]}" for n in (leaked, live, opened)}
+        assert all(os.path.exists(p) for p in paths.values())
+        removed = engine_shm.release_semaphores()
+        assert paths[leaked] in removed
+        assert not os.path.exists(paths[leaked])
+        assert os.path.exists(paths[live]) and os.path.exists(paths[opened])
+    finally:
+        holder.kill()
+        holder.wait()
+        for n in (live, opened):
+            try:
+                _multiprocessing.sem_unlink(n)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,64 @@
+"""How long the coordinator lives: through its own death, not past its application.
+
+Its own death: the actor restarts (`max_restarts=-1`; Ray re-runs its constructor with the same
+arguments and retries the calls that were in flight). A restarted coordinator holds nothing, so
+for `REBUILD_WAIT_S` it waits for the members to tell it what they hold (each replica asks for
+the coordinator's incarnation every `MEMBER_CHECK_S` and rejoins when it changed,
+`engram_ray.serve.coordinator_link`); calls that read or change groups wait until then, so the
+ingress keeps routing on the table it had and no gang opens a second generation.
+
+Its application: the coordinator is detached (a `serve deploy` build task that creates it ends
+at once), so it watches Serve for the application it belongs to, the one whose engine
+deployments carry its deployment name (`engram_ray.serve.app`). Once it has seen that
+application, it goes when the application goes (`serve shutdown`, `serve delete`): store
+folders removed, targets emptied, the http_sd port closed, the actor ended for good.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+MEMBER_CHECK_S = 1.0     # how often a member asks for the coordinator's incarnation
+REBUILD_WAIT_S = 3 * MEMBER_CHECK_S + 2.0  # a restarted coordinator waits this long for them
+APP_CHECK_S = 5.0        # how often the coordinator looks for its Serve application
+
+
+def is_restarted_actor() -> bool:
+    """True in an actor that Ray restarted after its process died."""
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - no state API (a worker without GCS access): assume not
+        return False
+
+
+def application_present(deployment_name: str) -> bool | None:
+    """Whether a Serve application (not being deleted) has the engine deployments of
+    `deployment_name` (named `<class>:<deployment name>:group-<i>`); None when Serve cannot
+    be asked (not running, controller restarting)."""
+    from ray import serve
+
+    try:
+        applications = serve.status().applications
+    except Exception:  # noqa: BLE001
+        return None
+    marker = f":{deployment_name}:group-"
+    return any(getattr(app.status, "value", app.status) != "DELETING"
+               and any(marker in name for name in app.deployments)
+               for app in applications.values())
+
+
+class ApplicationWatch:
+    """`gone()` is True once the application was seen and is no longer there."""
+
+    def __init__(self, deployment_name: str):
+        self.deployment_name, self.seen = deployment_name, False
+
+    def gone(self) -> bool:
+        present = application_present(self.deployment_name)
+        if present:
+            self.seen = True
+        return self.seen and present is False
