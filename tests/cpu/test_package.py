@@ -47,18 +47,16 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
 
 
 def test_readme_describes_every_deployment_and_serving_field():
-    import dataclasses
-
     from engram_ray.config import DeploymentConfig
-    from engram_ray.serve.config import ServingConfig
+    from engram_ray.serve.config import IngressConfig, ServingConfig
 
     readme = (REPO / "README.md").read_text()
     lines = readme.splitlines()
     assert lines[lines.index("```bash") + 1].startswith("bash scripts/local.sh")
     assert lines[lines.index("```bash") + 2].startswith("bash scripts/test.sh")
-    for cls in (DeploymentConfig, ServingConfig):
-        for field in dataclasses.fields(cls):
-            assert f"| `{field.name}` |" in readme, f"README lacks {cls.__name__}.{field.name}"
+    for cls in (DeploymentConfig, ServingConfig, IngressConfig):
+        for name in cls.model_fields:
+            assert f"| `{name}` |" in readme, f"README lacks {cls.__name__}.{name}"
 
 
 def test_base_install_has_no_engine_dependencies():

@@ -1,5 +1,6 @@
-"""`pip install engram-ray` without extras: `plan`, `node-labels`, `doctor`, `--help` and
-`--version` run with torch, Ray and vLLM unimportable, and the dashboards are package data."""
+"""`pip install engram-ray` without extras: `plan`, `node-labels`, `doctor`, `config schema`,
+`--help` and `--version` run with torch, Ray and vLLM unimportable, and the dashboards are
+package data."""
 
 import json
 import os
@@ -43,12 +44,14 @@ def test_the_blocker_blocks():
 
 @pytest.mark.parametrize("args", [["plan", "--compare"], ["plan", "--json"], ["--version"],
                                   ["--help"], ["plan", "--help"], ["node-labels", "--json"],
-                                  ["doctor", "--json"]])
+                                  ["doctor", "--json"], ["config", "schema"]])
 def test_commands_run_without_torch(args):
     result = run_blocked(*args)
     assert result.returncode == 0, result.stderr
     if args == ["plan", "--compare"]:
         assert "94.42 GiB freed per GPU" in result.stdout
+    if args == ["config", "schema"]:
+        assert "IngressConfig" in json.loads(result.stdout)["$defs"]
     if args == ["doctor", "--json"]:
         gpus = {c["name"]: c for c in json.loads(result.stdout)}["GPUs"]
         assert gpus["status"] == "info" and "no CUDA GPUs" in gpus["detail"]

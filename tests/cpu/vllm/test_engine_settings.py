@@ -4,7 +4,6 @@ app passes them (`engram_ray.serve.app.engine_kwargs`): DeepSeek-V4.1 runs with 
 (its n-gram history is written per KV slot by Python on the host)."""
 
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 from engram_ray.serve.app import engine_kwargs
@@ -19,9 +18,9 @@ def _app(yaml_name: str, model_dir: Path):
     app = next(iter(load_serve_config(CONFIGS / yaml_name).values()))
     deployment = app.deployment
     if deployment.checkpoint:  # fill: checkpoint reads the tables from the same folder
-        deployment = replace(deployment, checkpoint=str(model_dir))
-    return replace(app, deployment=deployment,
-                   serving=replace(app.serving, model_source=str(model_dir)))
+        deployment = deployment.replace(checkpoint=str(model_dir))
+    return app.replace(deployment=deployment,
+                       serving=app.serving.replace(model_source=str(model_dir)))
 
 
 def test_deepseek_engines_keep_vllms_defaults(tmp_path):

@@ -1,0 +1,62 @@
+"""`engram-ray config schema`: a JSON schema of the Serve app args that the project's own Serve
+YAMLs (and KubeRay's embedded ones) pass and a typo fails."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engram_ray.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
+
+
+def app_args():
+    """(file, args) of every engram-ray application in cluster_configs/."""
+    for path in sorted(CONFIGS.glob("serve_*.yaml")):
+        for app in yaml.safe_load(path.read_text())["applications"]:
+            yield path.name, app.get("args") or {}
+    for path in sorted((CONFIGS / "kuberay").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "RayService":
+                for app in yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]:
+                    yield path.name, app.get("args") or {}
+
+
+@pytest.fixture(scope="module")
+def schema():
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["config", "schema"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_schema_names_every_section_and_description(schema):
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert set(schema["properties"]) == {"deployment", "serving"}
+    defs = schema["$defs"]
+    assert {"DeploymentConfig", "ServingConfig", "RequestLimits", "IngressConfig"} <= set(defs)
+    for name, section in defs.items():
+        assert section["additionalProperties"] is False, name
+        for field, spec in section["properties"].items():
+            assert len(spec.get("description", "")) > 10, f"{name}.{field}"
+    ingress = defs["IngressConfig"]["properties"]
+    assert ingress["num_replicas"]["default"] == 2 and ingress["num_replicas"]["minimum"] == 1
+
+
+def test_schema_passes_the_projects_serve_yamls_and_fails_a_typo(schema):
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(schema)
+    validator.check_schema(schema)
+    checked = list(app_args())
+    assert len(checked) >= 4
+    for name, args in checked:
+        assert not [e.message for e in validator.iter_errors(args)], name
+    errors = [e.message for e in validator.iter_errors(
+        {"deployment": {"peer_group_sise": 8}, "serving": {"ingress": {"num_replicas": 0}}})]
+    assert any("'peer_group_sise' was unexpected" in e for e in errors), errors
+    assert any("less than the minimum of 1" in e for e in errors), errors
