@@ -40,7 +40,7 @@ import time
 import ray
 
 from engram_ray.actors.lifetime import (APP_CHECK_S, REBUILD_WAIT_S, ApplicationWatch,
-                                        is_restarted_actor)
+                                        is_restarted_actor, save_settings, saved_settings)
 from engram_ray.errors import EngramRayError
 from engram_ray.metrics.exposition import TargetsServer
 from engram_ray.metrics.target_book import TargetBook
@@ -62,17 +62,28 @@ class Coordinator:
         from engram_ray.planning.generations import GenerationBook
         from engram_ray.serve.config import ServeAppConfig
 
+        restarted = is_restarted_actor()
+        # Ray re-runs this constructor with its first arguments: a rolled-out config is kept.
+        kept = saved_settings(coordinator_name(ServeAppConfig.from_dict(
+            app_config_dict, "coordinator").deployment.name)) if restarted else None
+        if kept is not None:
+            app_config_dict, domains = kept["app"], kept["domains"]
+        # Its members and no others rejoin it after a restart (not those of a coordinator it
+        # replaced: serving.rollout.mode restart).
+        self.lineage = kept["lineage"] if kept else secrets.token_hex(4)
         self.made_with = (app_config_dict, domains)
-        config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
+        self.config = config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
         self.deployment_name = config.deployment.name
         self.incarnation = secrets.token_hex(4)
         # Versions go on from the wall clock (ms), so an ingress that polled the coordinator
         # before a restart never takes a new table for one it has seen.
         self._version = time.time_ns() // 1_000_000
-        self._rebuild_until = time.monotonic() + REBUILD_WAIT_S if is_restarted_actor() else 0.0
+        self._rebuild_until = time.monotonic() + REBUILD_WAIT_S if restarted else 0.0
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
                                    domains)
         self.metric_targets = TargetBook(config.serving.prometheus_targets_file)
+        save_settings(coordinator_name(self.deployment_name), app_config_dict, domains,
+                      self.lineage)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
@@ -89,16 +100,55 @@ class Coordinator:
                            REBUILD_WAIT_S)
 
     # --- a restart: the members tell it what they hold (actors/lifetime.py) -----------------
-    def member_check(self) -> str:
-        """The incarnation: a member that joined another one rejoins (`rejoin`)."""
-        return self.incarnation
+    def member_check(self, replica_id: str | None = None, in_flight: int | None = None) -> dict:
+        """{"incarnation" (a member that joined another one rejoins: `rejoin`), "retired"
+        (the member's gang was replaced by a rolling change: it takes no new requests)};
+        `in_flight`: the requests the member runs (a retired one drains)."""
+        with self._lock:
+            is_retired = replica_id is not None and self.book.is_retired(replica_id)
+            if is_retired and in_flight is not None:
+                self.book.report_in_flight(replica_id, in_flight)
+            return {"incarnation": self.incarnation, "retired": is_retired}
+
+    def member_running(self, replica_id: str) -> None:
+        """Serve runs the member (its first health check passed)."""
+        self._wait_rebuilt()
+        with self._lock:
+            if self.book.member_running(replica_id):
+                self._routing_changed_locked()
+
+    def may_take_over(self, replica_id: str) -> bool:
+        """A member of a gang started beside a serving one may end its start (then Serve
+        stops the old gang): its gang took over and the old one drained
+        (`GenerationBook.may_take_over`)."""
+        self._wait_rebuilt()
+        with self._lock:
+            return self.book.may_take_over(replica_id,
+                                           self.config.serving.rollout.drain_timeout_s)
+
+    def reconfigure(self, app_config_dict: dict, domains: dict[str, str]) -> None:
+        """A changed config that rolls out (`get_coordinator`): new generations use it, the
+        serving ones go on until their gangs are replaced; groups added or removed."""
+        from engram_ray.serve.config import ServeAppConfig
+
+        config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
+        with self._lock:
+            self.book.reconfigure(config.deployment, domains)
+            self.config, self.made_with = config, (app_config_dict, domains)
+            self.metric_targets.targets_file = config.serving.prometheus_targets_file
+            save_settings(coordinator_name(self.deployment_name), app_config_dict, domains,
+                      self.lineage)
+            self._routing_changed_locked()
+        logger.warning("engram-ray: coordinator %s reconfigured: groups %s", self.deployment_name,
+                       sorted(domains))
 
     def rejoin(self, member: dict, actor=None) -> str | None:
         """A member of a coordinator that died: `member` as `GenerationBook.rejoin` takes it
         plus its metric `targets` ({key: {"target", "labels"}}), `slot` and `node_id`. The
         incarnation, or None when this coordinator will not have it (a newer generation)."""
         with self._lock:
-            if not self.book.rejoin(member):
+            if member["assignment"].get("lineage") != self.lineage or \
+                    not self.book.rejoin(member):
                 return None
             replica_id = member["replica_id"]
             if actor is not None and member.get("ready_at") is not None:
@@ -139,7 +189,8 @@ class Coordinator:
         self._wait_rebuilt()
         with self._lock:
             assignment = dict(self.book.join(group_id, gang_id, rank, world_size, replica_id,
-                                             node_labels), incarnation=self.incarnation)
+                                             node_labels), incarnation=self.incarnation,
+                              lineage=self.lineage)
             self._forget_ended_locked()
             self._routing_changed_locked()
             return assignment
@@ -191,6 +242,9 @@ class Coordinator:
             return self._version, self.book.routing()
 
     def _break_locked(self, replica_id: str, reason: str) -> None:
+        if self.book.is_retired(replica_id):  # a replaced gang's member stopped
+            self.book.leave(replica_id)
+            return
         member = self.book.find_member(replica_id)
         if member is None:
             return
@@ -253,6 +307,7 @@ class Coordinator:
         logger.warning("engram-ray: the application of %s is gone: the coordinator removes "
                        "its store folders and targets and ends", self.deployment_name)
         self.shutdown()
+        save_settings(coordinator_name(self.deployment_name), None, None)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # --- metric targets (engram_ray.metrics.target_book) -----------------------------------
@@ -273,9 +328,8 @@ class Coordinator:
             return self.metric_targets.slot(replica_id, node_id)
 
     def _forget_ended_locked(self) -> None:
-        """Targets of replicas no current generation holds (stopped with their gang)."""
-        current = {m["replica_id"] for g in self.book.groups.values() if g.current
-                   for m in g.current.members.values()}
+        """Targets of replicas no live generation holds (stopped with their gang)."""
+        current = self.book.member_ids()
         for replica_id in [r for r in self._actors if r not in current]:
             del self._actors[replica_id]
         self.metric_targets.keep_only(current.__contains__)
@@ -294,11 +348,15 @@ def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_n
     made_with, num_members = ray.get(coordinator.describe.remote())
     if tuple(made_with) == (app_config_dict, domains):
         return coordinator
-    if num_members:
-        raise EngramRayError(
-            f"{coordinator_name(deployment_name)}: the coordinator of an earlier deployment "
-            f"with other settings or groups still has {num_members} members; shut that "
-            "deployment down (serve shutdown) or give this one another deployment.name")
+    if num_members and rolls_out(made_with[0], app_config_dict, deployment_name):
+        if app_config_dict.get("serving", {}).get("rollout", {}).get("mode") != "restart":
+            from engram_ray.actors.placement import check_room_beside
+            from engram_ray.config import DeploymentConfig
+
+            check_room_beside(DeploymentConfig.from_dict(app_config_dict["deployment"]),
+                              domains)
+        ray.get(coordinator.reconfigure.remote(app_config_dict, domains))
+        return coordinator
     logger.info("replacing %s: made with other settings, no members",
                 coordinator_name(deployment_name))
     ray.kill(coordinator, no_restart=True)
@@ -310,6 +368,26 @@ def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_n
         except ValueError:  # the name is free again
             break
     return _coordinator_actor(app_config_dict, domains, deployment_name)
+
+
+def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
+    """True when a running deployment's change rolls out (the coordinator is reconfigured);
+    False when it is applied whole (`serving.rollout.mode: restart`: the coordinator is
+    replaced, Serve restarts every group); EngramRayError naming the settings that cannot roll
+    beside the serving groups otherwise."""
+    from engram_ray.serve.config_change import changed_settings, fixed_changes
+
+    fixed = fixed_changes(changed_settings(old, new))
+    mode = new.get("serving", {}).get("rollout", {}).get("mode", "beside")
+    if not fixed:
+        return True
+    if mode == "restart":
+        return False
+    raise EngramRayError(
+        f"deployment {deployment_name!r} serves, and this change of {', '.join(fixed)} cannot "
+        "roll out beside its groups (old and new engines would not read the same rows or serve "
+        "the same model); set serving.rollout.mode: restart to restart every group at once (an "
+        "outage of one cold start), or serve shutdown first")
 
 
 def find_coordinator(deployment_name: str):

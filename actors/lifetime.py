@@ -16,6 +16,7 @@ folders removed, targets emptied, the http_sd port closed, the actor ended for g
 
 from __future__ import annotations
 
+import json
 import logging
 
 import ray
@@ -62,3 +63,27 @@ class ApplicationWatch:
         if present:
             self.seen = True
         return self.seen and present is False
+
+
+def _settings_key(name: str) -> bytes:
+    return f"engram-coordinator-settings:{name}".encode()
+
+
+def save_settings(name: str, app_config_dict: dict | None, domains: dict | None = None,
+                  lineage: str | None = None) -> None:
+    """Keep the coordinator's current settings and lineage in Ray's KV store (a rolled-out
+    config outlives a restart); None removes them."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    if app_config_dict is None:
+        _internal_kv_del(_settings_key(name))
+        return
+    _internal_kv_put(_settings_key(name), json.dumps({
+        "app": app_config_dict, "domains": domains, "lineage": lineage}), overwrite=True)
+
+
+def saved_settings(name: str) -> dict | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(_settings_key(name))
+    return json.loads(raw) if raw else None

@@ -54,11 +54,12 @@ def own_reservations(config: DeploymentConfig, resource: str) -> dict[str, float
     return held
 
 
-def discover_nodes(config: DeploymentConfig) -> list[NodeSlots]:
+def discover_nodes(config: DeploymentConfig, own_free: bool = True) -> list[NodeSlots]:
     """Alive nodes with their domain label and free engine slots (this deployment's own
-    gangs counted as free)."""
+    gangs counted as free, unless not `own_free`)."""
     resource, per_engine = slot_resource(config)
-    free, held = _free_resources_per_node(), own_reservations(config, resource)
+    free = _free_resources_per_node()
+    held = own_reservations(config, resource) if own_free else {}
     nodes = []
     for node in ray.nodes():
         if not node.get("Alive"):
@@ -74,9 +75,25 @@ def discover_nodes(config: DeploymentConfig) -> list[NodeSlots]:
     return nodes
 
 
-def discover_domains(config: DeploymentConfig) -> list[Domain]:
-    return domains_of(discover_nodes(config), config.domain_label_key,
+def discover_domains(config: DeploymentConfig, own_free: bool = True) -> list[Domain]:
+    return domains_of(discover_nodes(config, own_free), config.domain_label_key,
                       node_is_domain=config.is_cpu_only)
+
+
+def check_room_beside(config: DeploymentConfig, domains: dict[str, str]) -> None:
+    """`serving.rollout.mode: beside`: every domain holding groups (`domains`: group id ->
+    domain id) has `peer_group_size` free slots beside the gangs serving there, so a new gang
+    can start next to an old one (groups sharing a domain then roll in turn); else
+    PlacementError naming the domains short of room and what to do."""
+    free = {d.domain_id: d.num_slots for d in discover_domains(config, own_free=False)}
+    short = sorted({d for d in domains.values() if free.get(d, 0) < config.peer_group_size})
+    if short:
+        raise PlacementError(
+            f"serving.rollout.mode beside needs {config.peer_group_size} free engine slot(s) "
+            f"beside the serving gangs in each domain with groups; "
+            + ", ".join(f"{d} has {free.get(d, 0)}" for d in short)
+            + ": free slots there, or set serving.rollout.mode: restart (every group restarts "
+              "at once: an outage of one cold start)")
 
 
 # Serve retries a failed build task (any exception, 3 times, at once); a build starting this

@@ -148,6 +148,19 @@ class LocalDeployment:
         from ray.serve.api import _run
         _run(build_app(self.args), _blocking=False, name=self.app_name, route_prefix="/")
 
+    def redeploy(self, changes: dict) -> None:
+        """Deploy the application again with `changes` merged into its args (e.g.
+        {"serving": {"engine_kwargs": {"max_num_seqs": 64}}}): a changed config rolls out as
+        `serving.rollout` says. Returns once the build is done (the rollout goes on)."""
+        from ray.serve.api import _run
+
+        from engram_ray.serve.app import build_app
+
+        _merge(self.args, changes)
+        self.config = load_serve_config_from(self.doc)
+        log(f"redeploying with {changes}")
+        _run(build_app(self.args), _blocking=False, name=self.app_name, route_prefix="/")
+
     def wait_ready(self, progress=log) -> float:
         """Block until the application runs and answers; seconds it took."""
         from ray import serve
@@ -283,6 +296,14 @@ class LocalDeployment:
             self._ray_started = False
             self.clean_stale(refuse_live=False)
             log(f"stopped after {time.monotonic() - started:.0f} s")
+
+
+def _merge(into: dict, changes: dict) -> None:
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def load_serve_config_from(doc: dict):

@@ -78,7 +78,7 @@ def wait_coordinator_back(deployment_name: str, old_incarnation: str, routing_be
 
     deadline, coordinator = time.monotonic() + timeout_s, find_coordinator(deployment_name)
     while time.monotonic() < deadline:
-        if ray.get(coordinator.member_check.remote()) != old_incarnation:
+        if ray.get(coordinator.member_check.remote())["incarnation"] != old_incarnation:
             table = routing(deployment_name)
             if all(table[g]["generation"] == r["generation"] and table[g]["serving"]
                    == r["serving"] for g, r in routing_before.items()):
@@ -86,6 +86,45 @@ def wait_coordinator_back(deployment_name: str, old_incarnation: str, routing_be
         time.sleep(0.2)
     raise TimeoutError(f"the coordinator did not come back with its groups within "
                        f"{timeout_s:.0f} s (last: {routing(deployment_name)})")
+
+
+def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float = 3.0,
+                    timeout_s: float = 900.0, reference: dict[bool, str] | None = None) -> dict:
+    """Deploy `changes` while `traffic` runs and wait until every group serves a new
+    generation and no old gang is left: every request sent meanwhile, how many failed (must be
+    0 with `serving.rollout.mode` beside), seconds until each group had rolled and until all
+    had (`rolled_s`), and the answers compared with `reference`."""
+    name = deployment.config.deployment.name
+    before = {g: r["generation"] for g, r in routing(name).items()}
+    first, started_at = len(traffic.results), time.monotonic()
+    deployment.redeploy(changes)
+    rolled: dict[str, float] = {}
+    deadline = started_at + timeout_s
+    while time.monotonic() < deadline:
+        table = routing(name)
+        for group_id, state in table.items():
+            if group_id not in rolled and state["serving"] \
+                    and state["generation"] != before.get(group_id):
+                rolled[group_id] = round(time.monotonic() - started_at, 1)
+        statuses = {g: group_status(name, g) for g in table}
+        if len(rolled) == len(table) and not any(s["retired"] or s["starting"]
+                                                 for s in statuses.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise TimeoutError(f"the change did not roll out within {timeout_s:.0f} s: "
+                           f"{routing(name)}")
+    done_at = time.monotonic()
+    time.sleep(settle_s)
+    results = traffic.results[first:]
+    window = [r for r in results if r.started_at <= done_at]
+    return {"kind": "rollout", "changes": changes, "rolled_s": round(done_at - started_at, 1),
+            "groups_rolled_s": rolled, "requests": len(results),
+            "window_requests": len(window), "window_failed": sum(not r.ok for r in window),
+            "lost_silently": sum(r.outcome == LOST for r in results),
+            "failed_visibly": sum(r.outcome == FAILED for r in results),
+            "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],
+            **_compared(results, reference)}
 
 
 def kill(kind: str, group_id: str) -> None:
@@ -177,7 +216,7 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
     table = routing(name)
     old = table[group_id]["generation"]
     num_restarts = len(group_status(name, group_id)["restarts"])
-    incarnation = ray.get(find_coordinator(name).member_check.remote())
+    incarnation = ray.get(find_coordinator(name).member_check.remote())["incarnation"]
     pid = coordinator_pid(name) if kind == "coordinator" else None
     first = len(traffic.results)
     killed_at, killed_wall = time.monotonic(), time.time()

@@ -60,10 +60,21 @@ class Generation:
     broken_at: float | None = None
     restarting: dict = field(default_factory=dict)  # rank -> {"reason", "since"}
     restarts: list = field(default_factory=list)    # {"rank", "reason", "since", "ready_at"}
+    # A gang that took over beside its predecessor (a rolling change) serves once Serve runs
+    # every member (its start returned; `running`): until then Serve still routes to the old.
+    took_over: bool = False
+    running: set = field(default_factory=set)
+    retired_at: float | None = None                 # replaced by a rolling change: draining
+    in_flight: dict = field(default_factory=dict)   # rank -> requests running (retired)
 
     def is_serving(self, size: int) -> bool:
         return (self.broken is None and len(self.ready_at) == size
-                and len(self.restarting) < size)
+                and len(self.restarting) < size
+                and (not self.took_over or len(self.running) == size))
+
+    def rank_of(self, replica_id: str) -> int | None:
+        return next((rank for rank, m in self.members.items()
+                     if m["replica_id"] == replica_id), None)
 
     def serving_members(self) -> list[str]:
         """Replica ids of the members that take requests now."""
@@ -76,7 +87,12 @@ class GroupRecord:
     group_id: str
     domain_id: str
     current: Generation | None = None
+    next: Generation | None = None      # a gang starting beside `current` (a rolling change)
+    retired: Generation | None = None   # the one `next` replaced, draining until it stops
     history: list = field(default_factory=list)    # (index, gang id, seconds it lived)
+
+    def generations(self) -> list[Generation]:
+        return [g for g in (self.current, self.next, self.retired) if g is not None]
 
 
 class GenerationBook:
@@ -94,25 +110,92 @@ class GenerationBook:
                 f"{group_id!r}; expected one of {sorted(self.groups)} with peer_group_size "
                 f"{size}: the Serve application and its coordinator disagree, redeploy it")
         group = self.groups[group_id]
-        if group.current is None or group.current.gang_id != gang_id:
-            self._open(group, gang_id)
-        gen = group.current
+        gen = next((g for g in (group.current, group.next) if g and g.gang_id == gang_id), None)
+        if gen is None and group.current is not None and group.current.is_serving(size):
+            gen = group.next = self._new_generation(group, gang_id)  # beside: a rolling change
+            if group.retired is not None:
+                self._end(group, group.retired)
+                group.retired = None
+        elif gen is None:
+            if group.current is not None:
+                self._end(group, group.current)
+            if group.next is not None:
+                self._end(group, group.next)
+                group.next = None
+            gen = group.current = self._new_generation(group, gang_id)
         gen.members[rank] = {"replica_id": replica_id, "node_labels": dict(node_labels or {})}
         return self._assignment(group, gen, rank)
 
-    def _open(self, group: GroupRecord, gang_id: str) -> None:
-        old = group.current
-        if old is not None:
-            group.history.append({
-                "index": old.index, "gang_id": old.gang_id, "generation": old.generation,
-                "started_at": old.started_at, "ready_at": dict(old.ready_at),
-                "broken": old.broken, "broken_at": old.broken_at, "ended_at": time.time()})
-            remove_store_dir(old.store_dir)
-        index = old.index + 1 if old else 1
+    def reconfigure(self, config: DeploymentConfig, domains: dict[str, str]) -> None:
+        """A changed config rolling out: new generations use `config`; a group of `domains`
+        is kept (a new gang of it goes to its new domain), added, or dropped with its store
+        folders (Serve deletes its deployment)."""
+        self.config = config
+        for gid in [g for g in self.groups if g not in domains]:
+            for gen in self.groups.pop(gid).generations():
+                remove_store_dir(gen.store_dir)
+        for gid, domain in domains.items():
+            self.groups.setdefault(gid, GroupRecord(gid, domain)).domain_id = domain
+
+    def _new_generation(self, group: GroupRecord, gang_id: str) -> Generation:
+        index = max((g.index for g in group.generations()), default=0) + 1
         gen_id = generation_id(self.config.name, group.group_id, index, secrets.token_hex(3))
         store = create_store_dir(generation_store_dir(
             self.config.peer_group_store, self.config.name, group.group_id, gen_id))
-        group.current = Generation(index, gen_id, gang_id, store)
+        return Generation(index, gen_id, gang_id, store)
+
+    def _end(self, group: GroupRecord, old: Generation) -> None:
+        """`old` ends: recorded in the group's history, its store folder removed."""
+        group.history.append({
+            "index": old.index, "gang_id": old.gang_id, "generation": old.generation,
+            "started_at": old.started_at, "ready_at": dict(old.ready_at),
+            "broken": old.broken, "broken_at": old.broken_at, "retired_at": old.retired_at,
+            "ended_at": time.time()})
+        remove_store_dir(old.store_dir)
+
+    def _promote(self, group: GroupRecord) -> None:
+        """Every member of `next` is ready: it takes over; `current` retires (drains)."""
+        new, old = group.next, group.current
+        new.took_over, old.retired_at = True, time.time()
+        group.current, group.next, group.retired = new, None, old
+
+    def member_running(self, replica_id: str) -> bool:
+        """Serve runs member `replica_id` (its start returned): True when that made a
+        generation that took over serve."""
+        for group in self.groups.values():
+            gen = group.current
+            rank = gen.rank_of(replica_id) if gen else None
+            if rank is not None and rank not in gen.running:
+                gen.running.add(rank)
+                return gen.took_over and gen.is_serving(self.config.peer_group_size)
+        return False
+
+    def is_retired(self, replica_id: str) -> bool:
+        return any(g.retired is not None and g.retired.rank_of(replica_id) is not None
+                   for g in self.groups.values())
+
+    def report_in_flight(self, replica_id: str, num_requests: int) -> None:
+        for group in self.groups.values():
+            rank = group.retired.rank_of(replica_id) if group.retired else None
+            if rank is not None:
+                group.retired.in_flight[rank] = num_requests
+
+    def may_take_over(self, replica_id: str, drain_timeout_s: float) -> bool:
+        """Member `replica_id` of a gang started beside a serving one may finish its start
+        (then Serve stops the old gang): its generation took over and the retired one has no
+        request left running (or `drain_timeout_s` passed). At once for any other member."""
+        for group in self.groups.values():
+            if group.next is not None and group.next.rank_of(replica_id) is not None:
+                return False  # not every member of its gang is ready yet
+            gen, old = group.current, group.retired
+            if gen is None or gen.rank_of(replica_id) is None:
+                continue
+            if not gen.took_over or old is None:
+                return True
+            drained = (len(old.in_flight) == len(old.members)
+                       and not any(old.in_flight.values()))
+            return drained or time.time() - old.retired_at >= drain_timeout_s
+        return True
 
     def _assignment(self, group: GroupRecord, gen: Generation, rank: int) -> dict:
         dep = self.config
@@ -134,12 +217,16 @@ class GenerationBook:
         group = self.groups.get(a["group_id"])
         if group is None or a["size"] != self.config.peer_group_size:
             return False
-        gen = group.current
-        if gen is None or gen.index < a["generation_index"]:
-            gen = group.current = Generation(a["generation_index"], a["generation"],
-                                             a["gang_id"], a["store_dir"])
-        elif gen.generation != a["generation"]:
-            return False
+        gen = next((g for g in group.generations() if g.generation == a["generation"]), None)
+        if gen is None:
+            if group.current is not None and group.current.index > a["generation_index"]:
+                return False
+            gen = Generation(a["generation_index"], a["generation"], a["gang_id"],
+                             a["store_dir"])
+            if group.current is not None and member.get("ready_at") is None:
+                group.next = gen  # a gang that was starting beside the current one
+            else:
+                group.current = gen
         rank = a["member_rank"]
         gen.members[rank] = {"replica_id": member["replica_id"],
                              "node_labels": dict(member.get("node_labels") or {})}
@@ -162,54 +249,68 @@ class GenerationBook:
         found = []
         for gid, group in self.groups.items():
             root = group_store_root(self.config.peer_group_store, self.config.name, gid)
-            owned = group.current.store_dir if group.current else None
+            owned = {g.store_dir for g in group.generations()}
             found += [os.path.join(root, name) for name in _listdir(root)
-                      if os.path.join(root, name) != owned]
+                      if os.path.join(root, name) not in owned]
         return sorted(found)
 
     def leave(self, replica_id: str) -> None:
         """A member stopped (Serve stops a gang's members before it starts the next one; a
         replica whose start failed leaves too): its generation never serves again."""
         for group in self.groups.values():
-            gen = group.current
-            for rank, member in list(gen.members.items()) if gen else ():
-                if member["replica_id"] == replica_id:
-                    del gen.members[rank]
+            for gen in group.generations():
+                rank = gen.rank_of(replica_id)
+                if rank is None:
+                    continue
+                del gen.members[rank]
+                gen.in_flight.pop(rank, None)
+                if gen is group.retired:
+                    if not gen.members:  # the replaced gang has stopped
+                        self._end(group, gen)
+                        group.retired = None
+                else:
                     self.break_generation(group.group_id, gen.generation,
                                           f"member {rank} stopped")
 
     def member_ready(self, replica_id: str) -> tuple[str, int] | None:
         """Member `replica_id`'s engine serves; (group id, rank), or None if no current
         generation holds it (its gang was replaced meanwhile)."""
-        member = self.find_member(replica_id)
-        if member is None:
-            return None
-        group_id, _, rank = member
-        gen = self.groups[group_id].current
-        gen.ready_at.setdefault(rank, time.time())
-        restart = gen.restarting.pop(rank, None)
-        if restart is not None:
-            gen.restarts.append({"rank": rank, **restart, "ready_at": time.time()})
-        return group_id, rank
+        for group in self.groups.values():
+            for gen in (group.current, group.next):
+                rank = gen.rank_of(replica_id) if gen else None
+                if rank is None:
+                    continue
+                gen.ready_at.setdefault(rank, time.time())
+                restart = gen.restarting.pop(rank, None)
+                if restart is not None:
+                    gen.restarts.append({"rank": rank, **restart, "ready_at": time.time()})
+                if gen is group.next and len(gen.ready_at) == self.config.peer_group_size:
+                    self._promote(group)
+                return group.group_id, rank
+        return None
 
     def member_restarting(self, replica_id: str, reason: str) -> bool:
         """Member `replica_id`'s engine died and restarts inside its replica, in the same
         generation: no requests for it until it is ready again. False when no serving
         generation holds it (the group is broken already)."""
         member = self.find_member(replica_id)
-        if member is None:
-            return False
-        gen = self.groups[member[0]].current
-        rank = member[2]
-        if gen.broken is not None or rank not in gen.ready_at:
-            return False
+        gen = self.groups[member[0]].current if member else None
+        rank = gen.rank_of(replica_id) if gen else None
+        if rank is None or gen.broken is not None or rank not in gen.ready_at:
+            return False  # not a current member (one starting beside it restarts its gang)
         gen.restarting.setdefault(rank, {"reason": reason, "since": time.time()})
         return True
 
     def break_generation(self, group_id: str, generation: str, reason: str) -> bool:
         """Generation `generation` of `group_id` stops serving (first reason kept); False if
         it is not the group's current one or was broken already."""
-        gen = self.groups[group_id].current if group_id in self.groups else None
+        group = self.groups.get(group_id)
+        if group is not None and group.next is not None and group.next.generation == generation:
+            group.next.broken = reason  # the gang started beside failed: the current serves on
+            self._end(group, group.next)
+            group.next = None
+            return True
+        gen = group.current if group is not None else None
         if gen is None or gen.generation != generation or gen.broken is not None:
             return False
         gen.broken, gen.broken_at = reason, time.time()
@@ -227,23 +328,31 @@ class GenerationBook:
             reason = gen.broken or (None if gen.is_serving(size) else
                                     f"{len(gen.ready_at)} of {size} members ready"
                                     if len(gen.ready_at) < size else
-                                    "every member's engine is restarting")
+                                    f"taking over ({len(gen.running)} of {size} members "
+                                    "running)" if gen.took_over and len(gen.running) < size
+                                    else "every member's engine is restarting")
             table[gid] = {"generation": gen.generation, "serving": reason is None,
                           "reason": reason, "serving_members": gen.serving_members(),
                           "restarting_ranks": sorted(gen.restarting)}
         return table
 
     def find_member(self, replica_id: str) -> tuple[str, str, int] | None:
-        """(group id, generation, rank) of a member of a current generation."""
+        """(group id, generation, rank) of a member of a current generation (or of the gang
+        starting beside it)."""
         for group in self.groups.values():
-            gen = group.current
-            for rank, member in gen.members.items() if gen else ():
-                if member["replica_id"] == replica_id:
+            for gen in (group.current, group.next):
+                rank = gen.rank_of(replica_id) if gen else None
+                if rank is not None:
                     return group.group_id, gen.generation, rank
         return None
 
+    def member_ids(self) -> set[str]:
+        """Replica ids of every member of every live generation (retired ones included)."""
+        return {m["replica_id"] for g in self.groups.values() for gen in g.generations()
+                for m in gen.members.values()}
+
     def num_members(self) -> int:
-        return sum(len(g.current.members) for g in self.groups.values() if g.current)
+        return len(self.member_ids())
 
     def remove_stores(self) -> None:
         for group_id in self.groups:
@@ -264,6 +373,8 @@ class GenerationBook:
                       "broken_at": g.current.broken_at if g.current else None,
                       "restarting": dict(g.current.restarting) if g.current else {},
                       "restarts": list(g.current.restarts) if g.current else [],
+                      "starting": g.next.generation if g.next else None,
+                      "retired": g.retired.generation if g.retired else None,
                       "history": list(g.history)}
                 for gid, g in self.groups.items()}
 

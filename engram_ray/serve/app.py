@@ -79,7 +79,14 @@ def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
     )
 
 
-INGRESS_OPTIONS = {"ray_actor_options": {"num_cpus": 0}}  # the engines take every CPU
+def ingress_options(srv) -> dict:
+    """The ingress deployment's options: `serving.ingress` replicas (or autoscaling), no CPUs
+    (the engines take every CPU), and a new replica started before an old one stops when a
+    changed config rolls out (`max_surge_percent`: the front door is never down)."""
+    options = {"ray_actor_options": {"num_cpus": 0}, "max_surge_percent": 100}
+    if srv.ingress.autoscaling_config is not None:
+        return {**options, "autoscaling_config": dict(srv.ingress.autoscaling_config)}
+    return {**options, "num_replicas": srv.ingress.num_replicas}
 
 
 def server_class(app: ServeAppConfig):
@@ -112,8 +119,12 @@ def build_engram_app(args: dict, server_cls=None):
     configs = [llm_config(app, g) for g in groups]
     from engram_ray.serve.member_router import ROUTER_PATH
 
+    # A changed config rolls out (serving.rollout): 'beside' starts each group's new gang next
+    # to the serving one (max_surge_percent: a whole extra gang), 'restart' replaces it.
+    surge = 100 if app.serving.rollout.mode == "beside" else 0
     engines = [build_llm_deployment(config, deployment_cls=server_cls, override_serve_options={
         "name": f"{server_cls.__name__}:{dep.name}:{g.group_id}", **gang_options(dep, g),
+        "max_surge_percent": surge,
         "request_router_config": {"request_router_class": ROUTER_PATH}})
         for config, g in zip(configs, groups)]
     return _ingress(configs[0], {g.group_id: e for g, e in zip(groups, engines)}, dep.name)
@@ -131,9 +142,11 @@ def _ingress(config, engines: dict, deployment_name: str):
     from engram_ray.serve.ingress import PeerGroupIngress
     from engram_ray.serve.replica import APP_CONFIG_KEY
 
-    options = deep_merge_dicts(PeerGroupIngress.get_deployment_options([config]),
-                               INGRESS_OPTIONS)
     serving = ServeAppConfig.from_dict(config.experimental_configs[APP_CONFIG_KEY]).serving
+    # Ray Serve LLM's default is one replica autoscaled at 1e9 requests (never): replaced.
+    options = PeerGroupIngress.get_deployment_options([config])
+    options.pop("autoscaling_config", None)
+    options = deep_merge_dicts(options, ingress_options(serving))
     # Checks, caps, error shape; max_model_len bounds a request that sets no max_tokens.
     ingress_app = guarded_ingress_app(serving.request_limits, serving.max_model_len)
     ingress_cls = make_fastapi_ingress(PeerGroupIngress, app=ingress_app)

@@ -19,7 +19,7 @@ from typing import Annotated, ClassVar, Literal
 from annotated_types import Gt
 from pydantic import Field
 
-from engram_ray.config import Amount, Count, DeploymentConfig, Port, Section, Text
+from engram_ray.config import Amount, Count, DeploymentConfig, Port, Seconds, Section, Text
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.exposition import NODE_ADDRESS
 from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
@@ -47,6 +47,7 @@ APP_LLM_CONFIG = {
 GROUP_DEPLOYMENT_OPTIONS = {
     **{key: "serving.num_peer_groups and deployment.peer_group_size (one gang per group)"
        for key in ("num_replicas", "autoscaling_config", "gang_scheduling_config")},
+    "max_surge_percent": "serving.rollout.mode",
     **{key: "nothing: each group's bundles are placed in its NVLink domain"
        for key in ("placement_group_bundles", "placement_group_strategy",
                    "placement_group_bundle_label_selector", "ray_actor_options",
@@ -160,6 +161,30 @@ class IngressConfig(Section):
                               "min_replicas and max_replicas decide the ingress replicas")
 
 
+ROLLOUT_MODES = ("beside", "restart")
+# Settings old and new engines cannot serve side by side with (rows, ranks, the model clients
+# ask for): a change of one restarts every group at once, only with rollout.mode restart.
+FIXED_WHILE_SERVING = ("deployment.model", "deployment.peer_group_size",
+                       "deployment.table_backend", "deployment.handle_type",
+                       "deployment.peer_group_store", "serving.model_id",
+                       "serving.model_source", "serving.data_parallel_size")
+
+
+class RolloutConfig(Section):
+    """How `serve deploy` of a changed config replaces the groups that serve."""
+
+    mode: Literal[ROLLOUT_MODES] = Field("beside", description=(
+        "'beside': each group's new gang starts beside the serving one (it needs "
+        "deployment.peer_group_size free engine slots in the group's NVLink domain; groups "
+        "sharing a domain roll one after another as slots free up) and takes over once ready, "
+        "the old one drained; no request fails. 'restart': Serve replaces every group's gang "
+        "at once (no spare slots needed; an outage of one cold start), and a change of a "
+        "setting the groups cannot roll (the model, peer_group_size, the table backend) is "
+        "applied"))
+    drain_timeout_s: Seconds = Field(60.0, description=(
+        "'beside': how long a replaced gang may finish the requests it runs before it stops"))
+
+
 class ServingConfig(Section):
     """The vLLM engines behind the OpenAI endpoint. One Serve replica = one engine = one GPU
     (or one CPU bundle); `data_parallel_size` replicas form one vLLM data-parallel gang."""
@@ -214,6 +239,8 @@ class ServingConfig(Section):
         "per-request caps of the OpenAI endpoint (`RequestLimits`; 400 naming the cap)"))
     ingress: IngressConfig = Field(default_factory=IngressConfig, description=(
         "the OpenAI ingress deployment: its replicas or autoscaling (`IngressConfig`)"))
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description=(
+        "how `serve deploy` of a changed config replaces the serving groups (`RolloutConfig`)"))
     llm_config: dict = Field(default_factory=dict, description=(
         "further options of Ray Serve LLM's `LLMConfig` (e.g. `log_engine_metrics`, "
         "`runtime_env`, `accelerator_type`); the ones the app sets are refused by name"))

@@ -22,6 +22,9 @@ class CoordinatorLinkMixin:
     `_assignment`, `_replica_id`, `_replica_labels`, `_metrics_slot`, `_node_id`)."""
 
     _ready_at: float | None = None      # wall time its engine first served
+    _in_flight = 0                      # requests this member runs now
+    _retired = False                    # its gang was replaced by a rolling change
+    _running_told = False               # the coordinator knows Serve runs this member
     _lost_reason: str | None = None     # why the member is lost (reported broken)
     _link_task: asyncio.Task | None = None
 
@@ -38,6 +41,43 @@ class CoordinatorLinkMixin:
     async def _register_target(self, key: str, target: str, labels: dict) -> None:
         self._targets[key] = {"target": target, "labels": labels}
         await self._coordinator.register_target.remote(key, target, labels)
+
+    async def _take_over_when_drained(self, timeout_s: float) -> None:
+        """A member of a gang started beside a serving one (a rolling change) ends its start
+        only once its gang took over and the old gang finished its requests: Serve stops the
+        old gang the moment this start returns."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not await self._coordinator.may_take_over.remote(self._replica_id):
+            if asyncio.get_running_loop().time() > deadline:
+                logger.warning("engram-ray: no takeover within %.0f s: starting anyway", timeout_s)
+                return
+            await asyncio.sleep(0.5)
+
+    def _tell_running(self) -> None:
+        """At the first health check that passes, Serve runs this member: the coordinator is
+        told in the background (a health check never waits on it)."""
+        if not self._running_told:
+            self._running_told = True
+            self._running_task = asyncio.get_running_loop().create_task(self._send_running())
+
+    async def _send_running(self) -> None:
+        for _ in range(10):
+            try:
+                await self._coordinator.member_running.remote(self._replica_id)
+                return
+            except Exception as exc:  # noqa: BLE001 - asked again
+                logger.warning("engram-ray: could not tell the coordinator this member runs: "
+                               "%s", exc)
+                await asyncio.sleep(MEMBER_CHECK_S)
+
+    async def _counted(self, stream):
+        """`stream` counted in `_in_flight` while it runs (a retired member drains them)."""
+        self._in_flight += 1
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self._in_flight -= 1
 
     def _member_record(self) -> dict:
         """What this member holds, as `Coordinator.rejoin` takes it."""
@@ -57,7 +97,14 @@ class CoordinatorLinkMixin:
         while True:
             await asyncio.sleep(MEMBER_CHECK_S)
             try:
-                incarnation = await self._coordinator.member_check.remote()
+                answer = await self._coordinator.member_check.remote(self._replica_id,
+                                                                     self._in_flight)
+                incarnation = answer["incarnation"]
+                if answer["retired"] and not self._retired:
+                    logger.warning("engram-ray: this member's gang was replaced by a rolling "
+                                   "change: it takes no new requests and finishes %d",
+                                   self._in_flight)
+                self._retired = answer["retired"]
                 if incarnation != self._incarnation:
                     taken = await self._coordinator.rejoin.remote(self._member_record(),
                                                                   own_actor())

@@ -43,7 +43,8 @@ MAX_ATTEMPTS = 4           # tries of one request (each after the routing change
 LOST_HINT_S = 10.0
 # The failures of a group (not of a request): the replica or its engine is gone.
 GROUP_FAILURES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
-                  "DeploymentUnavailableError", "EngineDeadError", "EngineGenerateError"}
+                  "DeploymentUnavailableError", "EngineDeadError", "EngineGenerateError",
+                  "MemberRetiredError"}  # a gang replaced by a rolling change
 
 _picked = contextvars.ContextVar("engram_picked_handle", default=None)
 # Where a request went ({"group", "generation"}), filled by `_get_response` for the

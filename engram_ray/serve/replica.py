@@ -60,6 +60,11 @@ FAILED_CHECKS_TO_RESTART = REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
 logger = logging.getLogger("ray.serve")
 
 
+class MemberRetiredError(EngramRayError):
+    """This member's gang was replaced by a rolling change (a group failure for the ingress:
+    the request goes elsewhere)."""
+
+
 class EngramStatLogger:
     """A vLLM aggregate stat logger: KV-cache usage and engine step time into `EngineMetrics`.
 
@@ -135,6 +140,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
             await self._engine_started()
             self._ready_at = time.time()
             await self._coordinator.member_ready.remote(self._replica_id, own_actor())
+            await self._take_over_when_drained(app.serving.rollout.drain_timeout_s
+                                               + 2 * app.deployment.rendezvous_timeout_s)
             self._engine_watch_task = asyncio.get_running_loop().create_task(
                 self._watch_engine())
         except BaseException as exc:
@@ -294,18 +301,29 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
                 raise
             raise EngineDiedError(death.line()) from None
         self._failed_checks = 0
+        if getattr(self, "_assignment", None) is not None:
+            self._tell_running()
         recorded_at = getattr(self, "_segments_recorded_at", None)  # None: not started yet
         if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
             self._segments_recorded_at = time.monotonic()
             await asyncio.to_thread(record_segments, self._replica_id)
 
     async def completions(self, request, raw_request_info=None):
+        self._refuse_if_retired()
         stream = await super().completions(request, raw_request_info)
-        return _tag_generation(stream, self._assignment["generation"])
+        return self._counted(_tag_generation(stream, self._assignment["generation"]))
 
     async def chat(self, request, raw_request_info=None):
+        self._refuse_if_retired()
         stream = await super().chat(request, raw_request_info)
-        return _tag_generation(stream, self._assignment["generation"])
+        return self._counted(_tag_generation(stream, self._assignment["generation"]))
+
+    def _refuse_if_retired(self) -> None:
+        """A member whose gang a rolling change replaced takes no new request: the ingress
+        sends it to a member that serves (nothing was sent yet)."""
+        if self._retired:
+            raise MemberRetiredError(f"{self._assignment['group_id']} generation "
+                                     f"{self._assignment['generation']} was replaced")
 
     @classmethod
     def get_deployment_options(cls, llm_config):

@@ -48,13 +48,13 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
 
 def test_readme_describes_every_deployment_and_serving_field():
     from engram_ray.config import DeploymentConfig
-    from engram_ray.serve.config import IngressConfig, ServingConfig
+    from engram_ray.serve.config import IngressConfig, RolloutConfig, ServingConfig
 
     readme = (REPO / "README.md").read_text()
     lines = readme.splitlines()
     assert lines[lines.index("```bash") + 1].startswith("bash scripts/local.sh")
     assert lines[lines.index("```bash") + 2].startswith("bash scripts/test.sh")
-    for cls in (DeploymentConfig, ServingConfig, IngressConfig):
+    for cls in (DeploymentConfig, ServingConfig, IngressConfig, RolloutConfig):
         for name in cls.model_fields:
             assert f"| `{name}` |" in readme, f"README lacks {cls.__name__}.{name}"
 

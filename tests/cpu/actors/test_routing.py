@@ -246,7 +246,7 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
                                                                f"m{i}"))
         ray.get(coordinator.member_ready.remote(f"m{i}"))
     version, before = ray.get(coordinator.routing.remote())
-    incarnation = ray.get(coordinator.member_check.remote())
+    incarnation = ray.get(coordinator.member_check.remote())["incarnation"]
     assert assignments["m0"]["incarnation"] == incarnation
     stale = Path(assignments["m0"]["store_dir"]).parent / "rebuild-group-0-old"
     stale.mkdir(mode=0o700)
@@ -256,7 +256,7 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
     time.sleep(1.0)
     ready, _ = ray.wait([poll], timeout=0)
     assert not ready  # it waits for the members instead of answering an empty table
-    assert ray.get(coordinator.member_check.remote()) != incarnation
+    assert ray.get(coordinator.member_check.remote())["incarnation"] != incarnation
     for replica_id, a in assignments.items():
         assert ray.get(coordinator.rejoin.remote(_member_record(a, replica_id)))
     new_version, after = ray.get(poll, timeout=10)
@@ -269,3 +269,71 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
     ray.get(coordinator.shutdown.remote())
     assert not Path(assignments["m0"]["store_dir"]).exists()
     ray.kill(coordinator)
+
+
+def test_a_rolling_change_starts_a_gang_beside_the_serving_one_which_drains_then_stops(tmp_path):
+    book = _book(tmp_path)
+    old = book.join("group-0", "g1", 0, 2, "a")
+    book.join("group-0", "g1", 1, 2, "b")
+    book.member_ready("a"), book.member_ready("b")
+    before = book.routing()["group-0"]
+    new = book.join("group-0", "g2", 0, 2, "c")  # a new gang while the old one serves
+    book.join("group-0", "g2", 1, 2, "d")
+    assert new["generation_index"] == old["generation_index"] + 1
+    assert new["store_dir"] != old["store_dir"] and Path(old["store_dir"]).is_dir()
+    assert book.routing()["group-0"] == before  # the old gang serves on meanwhile
+    assert book.status()["group-0"]["starting"] == new["generation"]
+    book.member_ready("c")
+    assert not book.may_take_over("c", 60.0)  # its gang is not ready yet
+    book.member_ready("d")  # all ready: it takes over, the old one retires
+    route = book.routing()["group-0"]
+    assert route["generation"] == new["generation"] and not route["serving"]
+    assert route["reason"] == "taking over (0 of 2 members running)"
+    assert book.is_retired("a") and not book.is_retired("c")
+    assert not book.may_take_over("c", 60.0)  # the old gang has not drained yet
+    book.report_in_flight("a", 0)
+    book.report_in_flight("b", 2)
+    assert not book.may_take_over("c", 60.0)
+    assert book.may_take_over("c", 0.0)  # the drain timeout passed
+    book.report_in_flight("b", 0)
+    assert book.may_take_over("c", 60.0) and book.may_take_over("d", 60.0)
+    assert not book.member_running("c") and book.member_running("d")  # serves with both
+    assert book.routing()["group-0"]["serving_members"] == ["c", "d"]
+    book.leave("a")  # Serve stops the old gang: its generation ends with its last member
+    assert Path(old["store_dir"]).is_dir()
+    book.leave("b")
+    assert not Path(old["store_dir"]).exists() and book.status()["group-0"]["retired"] is None
+    assert book.routing()["group-0"]["serving"]  # leaving retired members break nothing
+    # A gang started beside that fails ends alone: the serving one is untouched.
+    third = book.join("group-0", "g3", 0, 2, "e")
+    assert book.break_generation("group-0", third["generation"], "member 0: engine died")
+    assert not Path(third["store_dir"]).exists()
+    assert book.routing()["group-0"]["generation"] == new["generation"]
+    assert book.routing()["group-0"]["serving"]
+    # A gang that replaces a broken one starts in its place (no drain).
+    book.break_generation("group-0", new["generation"], "member 1: lost")
+    fourth = book.join("group-0", "g4", 0, 2, "f")
+    assert book.may_take_over("f", 60.0)
+    assert book.routing()["group-0"]["generation"] == fourth["generation"]
+
+
+def test_a_changed_setting_is_named_and_only_rollable_ones_roll():
+    from engram_ray.actors.coordinator import rolls_out
+    from engram_ray.errors import EngramRayError
+    from engram_ray.serve.config_change import changed_settings, fixed_changes
+
+    old = {"deployment": {"model": "m", "peer_group_size": 2},
+           "serving": {"engine_kwargs": {"max_num_seqs": 128}, "rollout": {"mode": "beside"}}}
+    rolled = {**old, "serving": {**old["serving"], "engine_kwargs": {"max_num_seqs": 64}}}
+    assert changed_settings(old, rolled) == ["serving.engine_kwargs.max_num_seqs"]
+    assert rolls_out(old, rolled, "d")
+    fixed = {**old, "deployment": {"model": "m", "peer_group_size": 4}}
+    assert fixed_changes(changed_settings(old, fixed)) == ["deployment.peer_group_size"]
+    try:
+        rolls_out(old, fixed, "d")
+    except EngramRayError as exc:
+        assert "deployment.peer_group_size" in str(exc) and "rollout.mode: restart" in str(exc)
+    else:
+        raise AssertionError("a change of peer_group_size rolled out")
+    whole = {**fixed, "serving": {**old["serving"], "rollout": {"mode": "restart"}}}
+    assert not rolls_out(old, whole, "d")  # applied whole: the coordinator is replaced

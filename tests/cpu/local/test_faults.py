@@ -51,9 +51,12 @@ def deployment(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("faults")
     # Fixed metrics ports (two engines of one node: slots 0 and 1, two endpoints each): a
     # restarted engine must bind its slot's port again.
+    # Three engine slots for two engines: a changed config rolls out beside the serving
+    # gangs through the one spare slot, one group after the other.
     local = LocalDeployment(LocalOptions(workdir=str(workdir), port=free_port(),
                                          num_peer_groups=2, peer_group_size=1,
-                                         name="faults", metrics_port=_free_port_block(4)))
+                                         name="faults", metrics_port=_free_port_block(6),
+                                         num_logical_cpus=3))
     try:
         local.start()
         local.wait_ready()
@@ -146,3 +149,25 @@ def test_every_malformed_request_gets_a_clean_4xx_and_serving_goes_on(deployment
     assert not bad, bad
     assert len(results) >= 15
     assert set(_greedy_by_group(deployment, 2)) <= {"group-0", "group-1"}
+
+
+def test_a_changed_config_rolls_out_group_by_group_and_every_request_is_answered(deployment):
+    """serve deploy of another engine_kwargs value under load (serving.rollout.mode beside):
+    each group's new gang starts in the spare slot beside the serving one, takes over once
+    ready and the old one drained; not one request fails, every answer is the same."""
+    from engram_ray.local.faults import reference_answers, roll_under_load
+
+    traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=6,
+                      max_tokens=32).start()
+    try:
+        time.sleep(3.0)
+        roll = roll_under_load(deployment, traffic, {"serving": {"engine_kwargs": {
+            "max_num_seqs": 64}}}, reference=reference_answers(traffic.results))
+    finally:
+        results = traffic.stop()
+    print(roll)
+    assert roll["window_requests"] > 0 and roll["window_failed"] == 0, roll
+    assert roll["lost_silently"] == 0 and roll["failed_visibly"] == 0, roll
+    assert roll["answers_checked"] > 0 and roll["answers_differing"] == 0, roll
+    assert set(roll["groups_rolled_s"]) == {"group-0", "group-1"}
+    assert sum(r.ok for r in results) == len(results)

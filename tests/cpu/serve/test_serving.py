@@ -100,10 +100,11 @@ def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_loc
     ray.kill(coordinator)
 
 
-def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_refused(ray_local,
-                                                                                  tmp_path):
+def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_reconfigured(
+        ray_local, tmp_path):
     """Coordinators are detached: one made with other settings must not hand out stale
-    generations."""
+    generations; with members, a change rolls out (the coordinator is reconfigured) or is
+    refused naming the setting that cannot roll."""
     ray = ray_local
     from engram_ray.actors.coordinator import get_coordinator
     from engram_ray.errors import EngramRayError
@@ -118,9 +119,27 @@ def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_refused
     assert second._actor_id != first._actor_id
     assert ray.get(second.describe.remote()) == ((changed, groups), 0)
     ray.get(second.join.remote("group-0", "g", 0, 2, "m0"))
-    with pytest.raises(EngramRayError, match="still has 1 members"):
-        get_coordinator(raw, groups, "redeploy")                          # members: refused
-    ray.kill(second)
+    # With members: a change that rolls reconfigures it (new generations use it) ...
+    rolled = json.loads(json.dumps(changed))
+    rolled["serving"]["engine_kwargs"]["max_num_seqs"] = 64
+    rolled["serving"]["rollout"] = {"mode": "restart"}
+    assert get_coordinator(rolled, groups, "redeploy")._actor_id == second._actor_id
+    assert ray.get(second.describe.remote()) == ((rolled, groups), 1)
+    # ... beside the serving gangs only where a domain has a free slot for a new gang ...
+    beside = json.loads(json.dumps(rolled))
+    beside["serving"]["rollout"] = {"mode": "beside"}
+    with pytest.raises(EngramRayError, match="node-a has 0"):
+        get_coordinator(beside, groups, "redeploy")
+    # ... and a change the groups cannot roll is refused, naming it, unless applied whole.
+    fixed = json.loads(json.dumps(beside))
+    fixed["deployment"]["peer_group_size"] = 1
+    with pytest.raises(EngramRayError, match="change of deployment.peer_group_size cannot"):
+        get_coordinator(fixed, groups, "redeploy")
+    fixed["serving"]["rollout"] = {"mode": "restart"}
+    third = get_coordinator(fixed, groups, "redeploy")
+    assert third._actor_id != second._actor_id
+    assert ray.get(third.describe.remote()) == ((fixed, groups), 0)
+    ray.kill(third)
 
 
 def test_generations_still_move_when_the_targets_list_cannot_be_written(ray_local, tmp_path):
