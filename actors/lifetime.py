@@ -38,13 +38,18 @@ def is_restarted_actor() -> bool:
 
 def application_present(deployment_name: str) -> bool | None:
     """Whether a Serve application (not being deleted) has the engine deployments of
-    `deployment_name` (named `<class>:<deployment name>:group-<i>`); None when Serve cannot
-    be asked (not running, controller restarting)."""
+    `deployment_name` (named `<class>:<deployment name>:group-<i>`); False when Serve was shut
+    down; None when it cannot be asked now (its controller restarting)."""
     from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     try:
         applications = serve.status().applications
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no answer: Serve shut down, or its controller restarts
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # `serve shutdown`: no controller, no application
+            return False
         return None
     marker = f":{deployment_name}:group-"
     return any(getattr(app.status, "value", app.status) != "DELETING"

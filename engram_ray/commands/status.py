@@ -33,7 +33,8 @@ def collect(name: str) -> dict:
     """{group id: status + routing} from the coordinator of deployment `name` (Ray connected)."""
     import ray
 
-    from engram_ray.actors.coordinator import coordinator_name, find_coordinator
+    from engram_ray.actors.coordinator import coordinator_name
+    from engram_ray.actors.coordinator_lookup import find_coordinator
 
     try:
         coordinator = find_coordinator(name)

@@ -62,7 +62,7 @@ def engine_core_pid(replica) -> int:
 def coordinator_pid(deployment_name: str) -> int:
     import ray
 
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
 
     return ray.get(find_coordinator(deployment_name).__ray_call__.remote(
         lambda _self: os.getpid()))
@@ -74,7 +74,7 @@ def wait_coordinator_back(deployment_name: str, old_incarnation: str, routing_be
     table it had (every group's generation and serving state) before its restart."""
     import ray
 
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
 
     deadline, coordinator = time.monotonic() + timeout_s, find_coordinator(deployment_name)
     while time.monotonic() < deadline:
@@ -86,45 +86,6 @@ def wait_coordinator_back(deployment_name: str, old_incarnation: str, routing_be
         time.sleep(0.2)
     raise TimeoutError(f"the coordinator did not come back with its groups within "
                        f"{timeout_s:.0f} s (last: {routing(deployment_name)})")
-
-
-def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float = 3.0,
-                    timeout_s: float = 900.0, reference: dict[bool, str] | None = None) -> dict:
-    """Deploy `changes` while `traffic` runs and wait until every group serves a new
-    generation and no old gang is left: every request sent meanwhile, how many failed (must be
-    0 with `serving.rollout.mode` beside), seconds until each group had rolled and until all
-    had (`rolled_s`), and the answers compared with `reference`."""
-    name = deployment.config.deployment.name
-    before = {g: r["generation"] for g, r in routing(name).items()}
-    first, started_at = len(traffic.results), time.monotonic()
-    deployment.redeploy(changes)
-    rolled: dict[str, float] = {}
-    deadline = started_at + timeout_s
-    while time.monotonic() < deadline:
-        table = routing(name)
-        for group_id, state in table.items():
-            if group_id not in rolled and state["serving"] \
-                    and state["generation"] != before.get(group_id):
-                rolled[group_id] = round(time.monotonic() - started_at, 1)
-        statuses = {g: group_status(name, g) for g in table}
-        if len(rolled) == len(table) and not any(s["retired"] or s["starting"]
-                                                 for s in statuses.values()):
-            break
-        time.sleep(0.5)
-    else:
-        raise TimeoutError(f"the change did not roll out within {timeout_s:.0f} s: "
-                           f"{routing(name)}")
-    done_at = time.monotonic()
-    time.sleep(settle_s)
-    results = traffic.results[first:]
-    window = [r for r in results if r.started_at <= done_at]
-    return {"kind": "rollout", "changes": changes, "rolled_s": round(done_at - started_at, 1),
-            "groups_rolled_s": rolled, "requests": len(results),
-            "window_requests": len(window), "window_failed": sum(not r.ok for r in window),
-            "lost_silently": sum(r.outcome == LOST for r in results),
-            "failed_visibly": sum(r.outcome == FAILED for r in results),
-            "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],
-            **_compared(results, reference)}
 
 
 def kill(kind: str, group_id: str) -> None:
@@ -151,7 +112,7 @@ def kill(kind: str, group_id: str) -> None:
 def routing(deployment_name: str) -> dict:
     import ray
 
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
 
     return ray.get(find_coordinator(deployment_name).routing.remote())[1]
 
@@ -159,7 +120,7 @@ def routing(deployment_name: str) -> dict:
 def group_status(deployment_name: str, group_id: str) -> dict:
     import ray
 
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
 
     return ray.get(find_coordinator(deployment_name).status.remote())[group_id]
 
@@ -210,7 +171,7 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
     module docstring (`reference`: `reference_answers` of the traffic before any kill)."""
     import ray
 
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
 
     name = deployment.config.deployment.name
     table = routing(name)
@@ -258,10 +219,10 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
             "traffic_off_s": round(traffic_off_s(results, killed_at,
                                                  None if new == old else old), 3),
             "recovered_s": round(back_at - killed_at, 1) if back_at else None,
-            "recovery": recovery, **_compared(results, reference)}
+            "recovery": recovery, **compare_answers(results, reference)}
 
 
-def _compared(results: list[RequestResult], reference: dict[bool, str] | None) -> dict:
+def compare_answers(results: list[RequestResult], reference: dict[bool, str] | None) -> dict:
     if reference is None:
         return {}
     checked = [r for r in results if r.ok and r.chat in reference]

@@ -29,6 +29,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_port_block(num_ports: int, host: str = "127.0.0.1") -> int:
+    """A base port P with P .. P + num_ports - 1 free on `host` (fixed metrics ports)."""
+    import contextlib
+
+    for _ in range(50):
+        base = free_port(host)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + num_ports):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind((host, port))
+            except OSError:
+                continue
+        return base
+    raise EngramRayError(f"no {num_ports} consecutive free ports on {host}")
+
+
 def with_cluster(config: dict, cluster: str) -> dict:
     """`config` with every scrape job setting the target label `cluster` to `cluster` (the
     dashboards' `$cluster` variable), replacing a `cluster` rule it had. A target label, not an

@@ -15,10 +15,9 @@ members were stopped before Serve started the new gang.
                                   "restarting_ranks"}}
     book.rejoin(member_record)                      # a restarted coordinator learns a member
 
-A coordinator that restarts (its process died) starts with an empty book: every live member
-tells it what it holds (`rejoin`: its assignment, whether its engine serves or restarts), so
-the book is rebuilt from the members; `unclaimed_store_dirs` are the generation folders no
-rebuilt generation owns (left by gangs that ended while no coordinator ran).
+A coordinator that restarts rebuilds this book from its members
+(`engram_ray.planning.generation_rebuild`); a rolling change starts a gang beside the serving
+one, which takes over once ready (`engram_ray.planning.generation_rollout`).
 
 A group serves (the ingress sends it requests) while its current generation has had every
 member ready, none lost, and at least one member not restarting; requests go to the members
@@ -31,71 +30,24 @@ next gang opens a new generation.
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
-from dataclasses import dataclass, field
 
 from engram_ray.config import DeploymentConfig
 from engram_ray.errors import EngramRayError
 from engram_ray.model.layout import EngramLayout
 from engram_ray.planning.assignment import (create_store_dir, generation_id, generation_store_dir,
                                             group_store_root, remove_store_dir, slices_of)
+from engram_ray.planning.generation_rebuild import RebuildMixin
+from engram_ray.planning.generation_rollout import RolloutMixin
+from engram_ray.planning.generation_state import Generation, GroupRecord
 
 
 class GroupMismatchError(EngramRayError):
     """A replica's gang does not match the peer group it was deployed as."""
 
 
-@dataclass
-class Generation:
-    index: int
-    generation: str
-    gang_id: str
-    store_dir: str
-    members: dict = field(default_factory=dict)   # rank -> {"replica_id", "node_labels"}
-    started_at: float = field(default_factory=time.time)
-    ready_at: dict = field(default_factory=dict)   # rank -> wall time its engine served
-    broken: str | None = None                      # why it stopped serving, for good
-    broken_at: float | None = None
-    restarting: dict = field(default_factory=dict)  # rank -> {"reason", "since"}
-    restarts: list = field(default_factory=list)    # {"rank", "reason", "since", "ready_at"}
-    # A gang that took over beside its predecessor (a rolling change) serves once Serve runs
-    # every member (its start returned; `running`): until then Serve still routes to the old.
-    took_over: bool = False
-    running: set = field(default_factory=set)
-    retired_at: float | None = None                 # replaced by a rolling change: draining
-    in_flight: dict = field(default_factory=dict)   # rank -> requests running (retired)
-
-    def is_serving(self, size: int) -> bool:
-        return (self.broken is None and len(self.ready_at) == size
-                and len(self.restarting) < size
-                and (not self.took_over or len(self.running) == size))
-
-    def rank_of(self, replica_id: str) -> int | None:
-        return next((rank for rank, m in self.members.items()
-                     if m["replica_id"] == replica_id), None)
-
-    def serving_members(self) -> list[str]:
-        """Replica ids of the members that take requests now."""
-        return sorted(m["replica_id"] for rank, m in self.members.items()
-                      if rank in self.ready_at and rank not in self.restarting)
-
-
-@dataclass
-class GroupRecord:
-    group_id: str
-    domain_id: str
-    current: Generation | None = None
-    next: Generation | None = None      # a gang starting beside `current` (a rolling change)
-    retired: Generation | None = None   # the one `next` replaced, draining until it stops
-    history: list = field(default_factory=list)    # (index, gang id, seconds it lived)
-
-    def generations(self) -> list[Generation]:
-        return [g for g in (self.current, self.next, self.retired) if g is not None]
-
-
-class GenerationBook:
+class GenerationBook(RolloutMixin, RebuildMixin):
     def __init__(self, config: DeploymentConfig, layout: EngramLayout, domains: dict[str, str]):
         self.config, self.layout = config, layout
         self.groups = {gid: GroupRecord(gid, domain) for gid, domain in domains.items()}
@@ -153,50 +105,6 @@ class GenerationBook:
             "ended_at": time.time()})
         remove_store_dir(old.store_dir)
 
-    def _promote(self, group: GroupRecord) -> None:
-        """Every member of `next` is ready: it takes over; `current` retires (drains)."""
-        new, old = group.next, group.current
-        new.took_over, old.retired_at = True, time.time()
-        group.current, group.next, group.retired = new, None, old
-
-    def member_running(self, replica_id: str) -> bool:
-        """Serve runs member `replica_id` (its start returned): True when that made a
-        generation that took over serve."""
-        for group in self.groups.values():
-            gen = group.current
-            rank = gen.rank_of(replica_id) if gen else None
-            if rank is not None and rank not in gen.running:
-                gen.running.add(rank)
-                return gen.took_over and gen.is_serving(self.config.peer_group_size)
-        return False
-
-    def is_retired(self, replica_id: str) -> bool:
-        return any(g.retired is not None and g.retired.rank_of(replica_id) is not None
-                   for g in self.groups.values())
-
-    def report_in_flight(self, replica_id: str, num_requests: int) -> None:
-        for group in self.groups.values():
-            rank = group.retired.rank_of(replica_id) if group.retired else None
-            if rank is not None:
-                group.retired.in_flight[rank] = num_requests
-
-    def may_take_over(self, replica_id: str, drain_timeout_s: float) -> bool:
-        """Member `replica_id` of a gang started beside a serving one may finish its start
-        (then Serve stops the old gang): its generation took over and the retired one has no
-        request left running (or `drain_timeout_s` passed). At once for any other member."""
-        for group in self.groups.values():
-            if group.next is not None and group.next.rank_of(replica_id) is not None:
-                return False  # not every member of its gang is ready yet
-            gen, old = group.current, group.retired
-            if gen is None or gen.rank_of(replica_id) is None:
-                continue
-            if not gen.took_over or old is None:
-                return True
-            drained = (len(old.in_flight) == len(old.members)
-                       and not any(old.in_flight.values()))
-            return drained or time.time() - old.retired_at >= drain_timeout_s
-        return True
-
     def _assignment(self, group: GroupRecord, gen: Generation, rank: int) -> dict:
         dep = self.config
         return {"group_id": group.group_id, "domain_id": group.domain_id, "member_rank": rank,
@@ -207,52 +115,6 @@ class GenerationBook:
                 "handle_type": dep.handle_type,
                 "slices": [(s.layer_id, s.start, s.end)
                            for s in slices_of(self.layout, rank, dep.peer_group_size)]}
-
-    def rejoin(self, member: dict) -> bool:
-        """Rebuild member `member["replica_id"]` from what it holds: `assignment` (as `join`
-        gave it), `node_labels`, `ready_at` (wall time its engine served, or None),
-        `restarting` ({"reason", "since"} or None), `broken` (why it is lost, or None). False
-        when its group has a newer generation or another config (it is being replaced)."""
-        a = member["assignment"]
-        group = self.groups.get(a["group_id"])
-        if group is None or a["size"] != self.config.peer_group_size:
-            return False
-        gen = next((g for g in group.generations() if g.generation == a["generation"]), None)
-        if gen is None:
-            if group.current is not None and group.current.index > a["generation_index"]:
-                return False
-            gen = Generation(a["generation_index"], a["generation"], a["gang_id"],
-                             a["store_dir"])
-            if group.current is not None and member.get("ready_at") is None:
-                group.next = gen  # a gang that was starting beside the current one
-            else:
-                group.current = gen
-        rank = a["member_rank"]
-        gen.members[rank] = {"replica_id": member["replica_id"],
-                             "node_labels": dict(member.get("node_labels") or {})}
-        if member.get("ready_at") is not None:
-            gen.ready_at[rank] = member["ready_at"]
-        if member.get("restarting"):
-            gen.restarting[rank] = dict(member["restarting"])
-        if member.get("broken") and gen.broken is None:
-            gen.broken, gen.broken_at = f"member {rank}: {member['broken']}", time.time()
-        return True
-
-    def is_complete(self) -> bool:
-        """Every group has a current generation with all its members known."""
-        size = self.config.peer_group_size
-        return all(g.current is not None and len(g.current.members) == size
-                   for g in self.groups.values())
-
-    def unclaimed_store_dirs(self) -> list[str]:
-        """Generation folders under the groups' store roots that no current generation owns."""
-        found = []
-        for gid, group in self.groups.items():
-            root = group_store_root(self.config.peer_group_store, self.config.name, gid)
-            owned = {g.store_dir for g in group.generations()}
-            found += [os.path.join(root, name) for name in _listdir(root)
-                      if os.path.join(root, name) not in owned]
-        return sorted(found)
 
     def leave(self, replica_id: str) -> None:
         """A member stopped (Serve stops a gang's members before it starts the next one; a
@@ -378,9 +240,3 @@ class GenerationBook:
                       "history": list(g.history)}
                 for gid, g in self.groups.items()}
 
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []

@@ -105,7 +105,7 @@ def build_engram_app(args: dict, server_cls=None):
     records where it runs; Serve's builders take exactly one argument)."""
     from ray.serve.llm import build_llm_deployment
 
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.actors.placement import gang_options, plan_groups
     from engram_ray.serve.config import check_engine_kwargs, check_llm_options
 

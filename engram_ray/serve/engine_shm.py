@@ -69,7 +69,7 @@ def _users(paths: list[str]) -> dict[str, set[int]]:
     return users
 
 
-def _mapped_inodes() -> set[int] | None:
+def mapped_shm_inodes() -> set[int] | None:
     """Inodes of every file in /dev/shm that a live process this user may inspect maps
     (this one included); None when /proc cannot be read."""
     shm_dev = os.stat("/dev/shm").st_dev
@@ -102,7 +102,7 @@ def release_semaphores() -> list[str]:
         if SEMAPHORE_NAME.fullmatch(path) and stat.S_ISREG(st.st_mode) \
                 and st.st_uid == os.getuid():
             candidates.append((path, st.st_ino))
-    mapped = _mapped_inodes() if candidates else set()
+    mapped = mapped_shm_inodes() if candidates else set()
     if mapped is None:
         return []
     removed = []

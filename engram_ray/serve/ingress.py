@@ -100,7 +100,7 @@ class GroupRouting:
             self._task = asyncio.get_running_loop().create_task(self._poll())
 
     async def _poll(self) -> None:
-        from engram_ray.actors.coordinator import find_coordinator
+        from engram_ray.actors.coordinator_lookup import find_coordinator
 
         version = -1
         while True:

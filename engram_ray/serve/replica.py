@@ -46,6 +46,7 @@ from engram_ray.serve.coordinator_link import CoordinatorLinkMixin
 from engram_ray.serve.engine_death import EngineDiedError, EngineWatch, deaths_dir
 from engram_ray.serve.engine_shm import record_segments, release_leftovers
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
+from engram_ray.serve.stat_logger import EngramStatLogger
 from engram_ray.serve.member_restart import MemberRestartMixin, own_actor
 from engram_ray.tables.settings import PeerGroupSettings
 
@@ -65,42 +66,6 @@ class MemberRetiredError(EngramRayError):
     the request goes elsewhere)."""
 
 
-class EngramStatLogger:
-    """A vLLM aggregate stat logger: KV-cache usage and engine step time into `EngineMetrics`.
-
-    Step time = the interval between consecutive engine outputs while requests run (vLLM
-    reports once per engine step)."""
-
-    def __init__(self, metrics: EngineMetrics, capacity_bytes: int, capacity_tokens: int):
-        self.metrics = metrics
-        self.capacity_bytes, self.capacity_tokens = capacity_bytes, capacity_tokens
-        self._last_step_at: float | None = None
-
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-        if scheduler_stats is not None:
-            self.metrics.set_kv_cache(self.capacity_bytes, self.capacity_tokens,
-                                      scheduler_stats.kv_cache_usage)
-            if scheduler_stats.num_running_reqs == 0:
-                self._last_step_at = None
-        if iteration_stats is not None:
-            now = iteration_stats.iteration_timestamp
-            if self._last_step_at is not None:
-                self.metrics.observe_step(max(0.0, now - self._last_step_at))
-            self._last_step_at = now
-
-    def record_sleep_state(self, *args, **kwargs):
-        pass
-
-    def record_admission_rejection(self, *args, **kwargs):
-        pass
-
-    def log(self):
-        pass
-
-    def log_engine_initialized(self):
-        pass
-
-
 def peer_group_settings(assignment: dict, dp_rank: int = 0,
                         holders: bool = False) -> PeerGroupSettings:
     """This replica's `engram_ray.tables.settings.PeerGroupSettings` from its coordinator
@@ -116,7 +81,7 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
     async def start(self):
-        from engram_ray.actors.coordinator import find_coordinator
+        from engram_ray.actors.coordinator_lookup import find_coordinator
         from engram_ray.serve.config import ServeAppConfig
 
         raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]

@@ -104,7 +104,7 @@ def _shutdown_app(name="placement", store=None):
     APP_CHECK_S), taking the store folders with it."""
     from ray import serve
 
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
     from engram_ray.actors.lifetime import APP_CHECK_S
 
     serve.delete(name)

@@ -108,7 +108,7 @@ def test_coordinator_stops_routing_to_a_group_whose_replica_dies(ray_local, tmp_
     """Two one-member groups; group-0's replica actor is killed: the routing table says so
     within a second (the coordinator's watch), the long poll returns at once, group-1 serves."""
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
 
     @ray.remote(num_cpus=0)
     class Replica:
@@ -234,7 +234,7 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
     import signal
 
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
 
     raw = _raw(tmp_path, "rebuild")
     raw["deployment"]["peer_group_size"] = 1
@@ -318,7 +318,7 @@ def test_a_rolling_change_starts_a_gang_beside_the_serving_one_which_drains_then
 
 
 def test_a_changed_setting_is_named_and_only_rollable_ones_roll():
-    from engram_ray.actors.coordinator import rolls_out
+    from engram_ray.actors.coordinator_lookup import rolls_out
     from engram_ray.errors import EngramRayError
     from engram_ray.serve.config_change import changed_settings, fixed_changes
 

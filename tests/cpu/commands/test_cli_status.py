@@ -22,7 +22,7 @@ def status(address, *args):
 @pytest.mark.slow
 def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path):
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
 
     raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
     raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="stat",

@@ -12,9 +12,7 @@ malformed requests all answered 4xx with short, clean bodies, and greedy outputs
 before, during and after recovery on both groups.
 """
 
-import contextlib
 import json
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -22,26 +20,11 @@ from pathlib import Path
 import pytest
 
 from engram_ray.local.loadgen import LOST, OK, Traffic, request_body
-from engram_ray.local.prometheus import free_port
+from engram_ray.local.prometheus import free_port, free_port_block
 from engram_ray.serve.api_errors import leaks
 
 pytestmark = pytest.mark.slow
 PROMPT = "The river"
-
-
-def _free_port_block(num_ports: int) -> int:
-    """A base port P with P .. P + num_ports - 1 free on 127.0.0.1."""
-    for _ in range(50):
-        base = free_port()
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + num_ports):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {num_ports} consecutive free ports")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +38,7 @@ def deployment(tmp_path_factory):
     # gangs through the one spare slot, one group after the other.
     local = LocalDeployment(LocalOptions(workdir=str(workdir), port=free_port(),
                                          num_peer_groups=2, peer_group_size=1,
-                                         name="faults", metrics_port=_free_port_block(6),
+                                         name="faults", metrics_port=free_port_block(6),
                                          num_logical_cpus=3))
     try:
         local.start()
@@ -155,7 +138,8 @@ def test_a_changed_config_rolls_out_group_by_group_and_every_request_is_answered
     """serve deploy of another engine_kwargs value under load (serving.rollout.mode beside):
     each group's new gang starts in the spare slot beside the serving one, takes over once
     ready and the old one drained; not one request fails, every answer is the same."""
-    from engram_ray.local.faults import reference_answers, roll_under_load
+    from engram_ray.local.faults import reference_answers
+    from engram_ray.local.rollout import roll_under_load
 
     traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=6,
                       max_tokens=32).start()
@@ -171,3 +155,14 @@ def test_a_changed_config_rolls_out_group_by_group_and_every_request_is_answered
     assert roll["answers_checked"] > 0 and roll["answers_differing"] == 0, roll
     assert set(roll["groups_rolled_s"]) == {"group-0", "group-1"}
     assert sum(r.ok for r in results) == len(results)
+
+
+def test_after_a_kill_9_and_serve_shutdown_nothing_of_the_deployment_is_left(deployment):
+    """kill -9 of a Serve replica (its gang restarts), then `serve shutdown` as an operator
+    runs it: no engine process, shared-memory segment or semaphore, listening metrics port,
+    store folder or coordinator of the deployment is left (Ray itself still runs)."""
+    from engram_ray.local.stop_check import kill_then_shut_down
+
+    report = kill_then_shut_down(deployment)
+    print(report)
+    assert not report["left"], report

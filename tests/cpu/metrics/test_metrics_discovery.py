@@ -152,7 +152,7 @@ def test_coordinator_slots_per_node_and_its_http_sd(ray_local, tmp_path):
     """Slots are the lowest free per node, kept on a second ask, freed on leave and when a
     gang ends; the coordinator serves its targets as http_sd (and file_sd) lists."""
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
 
     raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
     raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="slots",

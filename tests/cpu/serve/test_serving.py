@@ -76,7 +76,7 @@ def test_replica_peer_settings_carry_a_requested_handle_type_and_the_dp_base_ran
 
 def test_coordinator_opens_a_generation_per_gang_and_drops_the_old_store(ray_local, tmp_path):
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.planning.generations import GroupMismatchError
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "gens")
@@ -106,7 +106,7 @@ def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_reconfi
     generations; with members, a change rolls out (the coordinator is reconfigured) or is
     refused naming the setting that cannot roll."""
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.errors import EngramRayError
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "redeploy")
@@ -144,7 +144,7 @@ def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_reconfi
 
 def test_generations_still_move_when_the_targets_list_cannot_be_written(ray_local, tmp_path):
     ray = ray_local
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "unwritable")
     (tmp_path / "ro").mkdir(mode=0o500)
@@ -164,7 +164,7 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
     ray = ray_local
     from types import SimpleNamespace
 
-    from engram_ray.actors.coordinator import get_coordinator
+    from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.metrics.exposition import MetricsServer
     from engram_ray.serve.config import ServeAppConfig
     from engram_ray.serve.replica import EngramServerMixin
@@ -207,7 +207,7 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     """The local YAML on one node (a CPU domain): one group deployment, a gang of 2 whose
     bundles are label-selected to that node, behind the peer-group ingress."""
     ray = ray_local
-    from engram_ray.actors.coordinator import find_coordinator
+    from engram_ray.actors.coordinator_lookup import find_coordinator
     from engram_ray.serve.app import build_app
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "built")

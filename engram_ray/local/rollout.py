@@ -1,0 +1,52 @@
+"""A changed config rolled out under load, measured from the clients' side (issue 28): every
+request sent while it rolls must be answered (`serving.rollout.mode: beside`).
+
+Used by tests/cpu/local/test_faults.py and benchmarks/bench_serving_changes.py on the local
+deployment (`LocalDeployment.redeploy`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from engram_ray.local.faults import compare_answers, group_status, routing
+from engram_ray.local.loadgen import FAILED, LOST, Traffic
+
+
+def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float = 3.0,
+                    timeout_s: float = 900.0, reference: dict[bool, str] | None = None) -> dict:
+    """Deploy `changes` while `traffic` runs and wait until every group serves a new
+    generation and no old gang is left: every request sent meanwhile, how many failed (must be
+    0 with `serving.rollout.mode` beside), seconds until each group had rolled and until all
+    had (`rolled_s`), and the answers compared with `reference`."""
+    name = deployment.config.deployment.name
+    before = {g: r["generation"] for g, r in routing(name).items()}
+    first, started_at = len(traffic.results), time.monotonic()
+    deployment.redeploy(changes)
+    rolled: dict[str, float] = {}
+    deadline = started_at + timeout_s
+    while time.monotonic() < deadline:
+        table = routing(name)
+        for group_id, state in table.items():
+            if group_id not in rolled and state["serving"] \
+                    and state["generation"] != before.get(group_id):
+                rolled[group_id] = round(time.monotonic() - started_at, 1)
+        statuses = {g: group_status(name, g) for g in table}
+        if len(rolled) == len(table) and not any(s["retired"] or s["starting"]
+                                                 for s in statuses.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise TimeoutError(f"the change did not roll out within {timeout_s:.0f} s: "
+                           f"{routing(name)}")
+    done_at = time.monotonic()
+    time.sleep(settle_s)
+    results = traffic.results[first:]
+    window = [r for r in results if r.started_at <= done_at]
+    return {"kind": "rollout", "changes": changes, "rolled_s": round(done_at - started_at, 1),
+            "groups_rolled_s": rolled, "requests": len(results),
+            "window_requests": len(window), "window_failed": sum(not r.ok for r in window),
+            "lost_silently": sum(r.outcome == LOST for r in results),
+            "failed_visibly": sum(r.outcome == FAILED for r in results),
+            "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],
+            **compare_answers(results, reference)}

@@ -1,0 +1,59 @@
+"""A rolling change in the generation book (`engram_ray.planning.generations`). Pure.
+
+`serving.rollout.mode: beside`: Serve starts a group's new gang next to the serving one. Its
+first member opens the group's `next` generation (`GenerationBook.join`); once every member of
+it is ready it takes over (`_promote`): the old generation retires (no new requests, its
+members report what they still run) and the new one serves once Serve runs every member
+(`member_running`). A new member ends its start (and so lets Serve stop the old gang) only
+when `may_take_over`: its generation took over and the retired one drained.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class RolloutMixin:
+    def _promote(self, group: GroupRecord) -> None:
+        """Every member of `next` is ready: it takes over; `current` retires (drains)."""
+        new, old = group.next, group.current
+        new.took_over, old.retired_at = True, time.time()
+        group.current, group.next, group.retired = new, None, old
+
+    def member_running(self, replica_id: str) -> bool:
+        """Serve runs member `replica_id` (its start returned): True when that made a
+        generation that took over serve."""
+        for group in self.groups.values():
+            gen = group.current
+            rank = gen.rank_of(replica_id) if gen else None
+            if rank is not None and rank not in gen.running:
+                gen.running.add(rank)
+                return gen.took_over and gen.is_serving(self.config.peer_group_size)
+        return False
+
+    def is_retired(self, replica_id: str) -> bool:
+        return any(g.retired is not None and g.retired.rank_of(replica_id) is not None
+                   for g in self.groups.values())
+
+    def report_in_flight(self, replica_id: str, num_requests: int) -> None:
+        for group in self.groups.values():
+            rank = group.retired.rank_of(replica_id) if group.retired else None
+            if rank is not None:
+                group.retired.in_flight[rank] = num_requests
+
+    def may_take_over(self, replica_id: str, drain_timeout_s: float) -> bool:
+        """Member `replica_id` of a gang started beside a serving one may finish its start
+        (then Serve stops the old gang): its generation took over and the retired one has no
+        request left running (or `drain_timeout_s` passed). At once for any other member."""
+        for group in self.groups.values():
+            if group.next is not None and group.next.rank_of(replica_id) is not None:
+                return False  # not every member of its gang is ready yet
+            gen, old = group.current, group.retired
+            if gen is None or gen.rank_of(replica_id) is None:
+                continue
+            if not gen.took_over or old is None:
+                return True
+            drained = (len(old.in_flight) == len(old.members)
+                       and not any(old.in_flight.values()))
+            return drained or time.time() - old.retired_at >= drain_timeout_s
+        return True
