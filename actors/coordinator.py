@@ -102,13 +102,14 @@ class Coordinator:
                            REBUILD_WAIT_S)
 
     # --- a restart: the members tell it what they hold (actors/lifetime.py) -----------------
-    def member_check(self, replica_id: str | None = None, in_flight: int | None = None) -> dict:
+    def member_check(self, replica_id: str | None = None, in_flight: int | None = None,
+                     knows_retired: bool = False) -> dict:
         """{"incarnation" (a member that joined another one rejoins: `rejoin`), "retired"
         (the member's gang was replaced by a rolling change: it takes no new requests)};
-        `in_flight`: the requests the member runs (a retired one drains)."""
+        `in_flight`: the requests the member runs, counted once it `knows_retired`."""
         with self._lock:
             is_retired = replica_id is not None and self.book.is_retired(replica_id)
-            if is_retired and in_flight is not None:
+            if is_retired and knows_retired and in_flight is not None:
                 self.book.report_in_flight(replica_id, in_flight)
             return {"incarnation": self.incarnation, "retired": is_retired}
 
@@ -119,10 +120,10 @@ class Coordinator:
             if self.book.member_running(replica_id):
                 self._routing_changed_locked()
 
-    def may_take_over(self, replica_id: str) -> bool:
+    def may_take_over(self, replica_id: str) -> bool | None:
         """A member of a gang started beside a serving one may end its start (then Serve
-        stops the old gang): its gang took over and the old one drained
-        (`GenerationBook.may_take_over`)."""
+        stops the old gang): its gang took over and the old one drained; None: its gang
+        failed meanwhile (`GenerationBook.may_take_over`)."""
         self._wait_rebuilt()
         with self._lock:
             return self.book.may_take_over(replica_id,

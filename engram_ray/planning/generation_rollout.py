@@ -36,15 +36,18 @@ class RolloutMixin:
                    for g in self.groups.values())
 
     def report_in_flight(self, replica_id: str, num_requests: int) -> None:
+        """What a retired member still runs, counted after it knew it was retired (it takes
+        no new request from then on, so the count only falls)."""
         for group in self.groups.values():
             rank = group.retired.rank_of(replica_id) if group.retired else None
             if rank is not None:
                 group.retired.in_flight[rank] = num_requests
 
-    def may_take_over(self, replica_id: str, drain_timeout_s: float) -> bool:
+    def may_take_over(self, replica_id: str, drain_timeout_s: float) -> bool | None:
         """Member `replica_id` of a gang started beside a serving one may finish its start
         (then Serve stops the old gang): its generation took over and the retired one has no
-        request left running (or `drain_timeout_s` passed). At once for any other member."""
+        request left running (or `drain_timeout_s` passed). At once for any other member;
+        None when no live generation holds it (its gang failed meanwhile: it must not run)."""
         for group in self.groups.values():
             if group.next is not None and group.next.rank_of(replica_id) is not None:
                 return False  # not every member of its gang is ready yet
@@ -56,4 +59,4 @@ class RolloutMixin:
             drained = (len(old.in_flight) == len(old.members)
                        and not any(old.in_flight.values()))
             return drained or time.time() - old.retired_at >= drain_timeout_s
-        return True
+        return None

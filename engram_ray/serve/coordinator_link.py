@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from engram_ray.actors.lifetime import MEMBER_CHECK_S
+from engram_ray.errors import EngramRayError
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,7 +48,10 @@ class CoordinatorLinkMixin:
         only once its gang took over and the old gang finished its requests: Serve stops the
         old gang the moment this start returns."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not await self._coordinator.may_take_over.remote(self._replica_id):
+        while not (may := await self._coordinator.may_take_over.remote(self._replica_id)):
+            if may is None:
+                raise EngramRayError("this member's gang failed while it started beside the "
+                                     "serving one: Serve starts a new gang")
             if asyncio.get_running_loop().time() > deadline:
                 logger.warning("engram-ray: no takeover within %.0f s: starting anyway", timeout_s)
                 return
@@ -70,9 +74,21 @@ class CoordinatorLinkMixin:
                                "%s", exc)
                 await asyncio.sleep(MEMBER_CHECK_S)
 
-    async def _counted(self, stream):
-        """`stream` counted in `_in_flight` while it runs (a retired member drains them)."""
+    async def _counted(self, call, request, raw_request_info):
+        """`call(request, raw_request_info)`'s stream, tagged with this member's generation
+        and counted in `_in_flight` from the call until the stream ends (a retired member
+        drains them)."""
+        from engram_ray.serve.replica import tag_generation
+
         self._in_flight += 1
+        try:
+            stream = await call(request, raw_request_info)
+        except BaseException:
+            self._in_flight -= 1
+            raise
+        return self._until_done(tag_generation(stream, self._assignment["generation"]))
+
+    async def _until_done(self, stream):
         try:
             async for item in stream:
                 yield item
@@ -97,8 +113,9 @@ class CoordinatorLinkMixin:
         while True:
             await asyncio.sleep(MEMBER_CHECK_S)
             try:
+                knew, in_flight = self._retired, self._in_flight
                 answer = await self._coordinator.member_check.remote(self._replica_id,
-                                                                     self._in_flight)
+                                                                     in_flight, knew)
                 incarnation = answer["incarnation"]
                 if answer["retired"] and not self._retired:
                     logger.warning("engram-ray: this member's gang was replaced by a rolling "

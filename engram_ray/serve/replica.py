@@ -275,13 +275,11 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
 
     async def completions(self, request, raw_request_info=None):
         self._refuse_if_retired()
-        stream = await super().completions(request, raw_request_info)
-        return self._counted(_tag_generation(stream, self._assignment["generation"]))
+        return await self._counted(super().completions, request, raw_request_info)
 
     async def chat(self, request, raw_request_info=None):
         self._refuse_if_retired()
-        stream = await super().chat(request, raw_request_info)
-        return self._counted(_tag_generation(stream, self._assignment["generation"]))
+        return await self._counted(super().chat, request, raw_request_info)
 
     def _refuse_if_retired(self) -> None:
         """A member whose gang a rolling change replaced takes no new request: the ingress
@@ -373,7 +371,7 @@ class EngramDPServer(EngramServerMixin, DPServer):
                                  model_downloader=model_downloader)
 
 
-async def _tag_generation(stream, generation: str):
+async def tag_generation(stream, generation: str):
     """The engine's answers with `system_fingerprint` = the generation that produced them
     (whole responses; stream chunks are passed as they are)."""
     async for item in stream:

@@ -308,6 +308,7 @@ def test_a_rolling_change_starts_a_gang_beside_the_serving_one_which_drains_then
     third = book.join("group-0", "g3", 0, 2, "e")
     assert book.break_generation("group-0", third["generation"], "member 0: engine died")
     assert not Path(third["store_dir"]).exists()
+    assert book.may_take_over("e", 60.0) is None  # its gang failed: it must not run
     assert book.routing()["group-0"]["generation"] == new["generation"]
     assert book.routing()["group-0"]["serving"]
     # A gang that replaces a broken one starts in its place (no drain).
