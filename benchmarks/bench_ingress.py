@@ -1,0 +1,343 @@
+"""The engram-ray ingress against Ray Serve LLM's plain OpenAI app, side by side in one run
+(issue 28, "the front door scales").
+
+    TMPDIR=/tmp/engram-ray-tmp VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \\
+        bash scripts/in_netns.sh python3 benchmarks/bench_ingress.py [--quick]
+
+(TMPDIR a folder you clean.) The target: with one ingress replica and with the default ingress
+settings (`serving.ingress.num_replicas` 2), at least 90% of the requests per second of
+`ray.serve.llm.build_openai_app` on the same tiny model and engine, and a p50 latency at most
+5% above its. Cases, each served by ONE vLLM CPU engine (one {"CPU": 1} bundle):
+
+    engram-2   the engram-ray app as configured by default (2 ingress replicas)
+    engram-1   the same app with serving.ingress.num_replicas 1
+    plain      build_openai_app of the engram engine's own LLMConfig (`engram_ray.serve.app.
+               llm_config`: engine kwargs with eager mode and no prefix caching, the bundle,
+               health checks, max_ongoing_requests) less its engram settings; its ingress as
+               Ray Serve LLM builds it (one replica) at num_cpus 0, as the engram ingress
+
+How: `LocalDeployment.start` makes the tiny model, starts Ray on 127.0.0.1 once and deploys
+the engram app (one peer group of one engine); then, round after round (`--rounds`), each case
+in the order above: deployed alone, warmed up (`engram_ray.local.warmup`: every request kind,
+cold then warm), `--concurrency` closed-loop clients (`engram_ray.local.loadgen.Traffic`:
+completions and chat, streamed and not, in turn; `--max-tokens`, greedy, one prompt) run
+`--warmup-s`, then `--duration-s` measured, then the app deleted (`serve delete`; for engram:
+its coordinator ends with it and what it left is removed, `LocalDeployment.clean_stale`).
+Requests that ended in the window count: req/s = answered / window, p50 and p99 of the
+client's whole-request time; a request is answered only when its client saw it complete.
+
+Why one app at a time, deployed afresh per case: three engines at once would share the 2
+cores and most of the memory (about 4.5 GB each); and `LocalDeployment.redeploy` of another
+`serving.ingress` on the running app rolls out a new engine gang anyway (the app's config is
+the engines' too), with a rollout's machinery in the way. Delete and deploy gives every case
+the same start (a fresh engine, the same warm-up) in one Ray instance, and rounds interleave
+the cases (A B C A B C) so that drift of a shared machine falls on all of them.
+
+Figures are end to end: Serve's proxy, the ingress, the engine replica and the engine, with the
+clients on the same cores. The engines differ in where the Engram table lives (the engram
+engine: a peer-group slice in shared memory, its lookups timed for its metrics; the plain one:
+whole in the engine process, filled by vLLM's weight loading).
+
+Writes `benchmarks/results/ingress/latest.md` and a line of its `history.jsonl` (`--results
+DIR` elsewhere); `--quick` (one short round) only prints its table: a smoke run, not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import add_results_argument, environment, write_results  # noqa: E402
+
+CASES = ("engram-2", "engram-1", "plain")
+ENGRAM_INGRESS_REPLICAS = {"engram-2": None, "engram-1": 1}  # None: the config's default
+PLAIN_APP = "plain"
+MIN_RPS_RATIO, MAX_P50_RATIO = 0.90, 1.05  # issue 28's targets
+KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (chat, stream)
+         for chat in (False, True) for stream in (False, True)}
+CLEANUP_TIMEOUT_S = 120.0
+
+
+def plain_app(deployment):
+    """`build_openai_app` of the engram engine's LLMConfig without its engram settings."""
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from engram_ray.planning.grouping import Domain, PeerGroupPlan
+    from engram_ray.serve.app import llm_config
+
+    # llm_config needs a group only for the engram settings (experimental_configs) left out here.
+    engram = llm_config(deployment.config, PeerGroupPlan("group-0", Domain("local", (), 1, {}),
+                                                         0, 1))
+    config = LLMConfig(model_loading_config=engram.model_loading_config,
+                       engine_kwargs=dict(engram.engine_kwargs),
+                       deployment_config=dict(engram.deployment_config),
+                       placement_group_config=dict(engram.placement_group_config),
+                       log_engine_metrics=engram.log_engine_metrics)
+    return build_openai_app({"llm_configs": [config],
+                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+
+
+def deploy(deployment, case: str) -> float:
+    """Deploy `case` alone (the previous one deleted); seconds until it answers."""
+    from ray.serve.api import _run
+
+    from engram_ray.local.deployment import log
+
+    if case in ENGRAM_INGRESS_REPLICAS:
+        deployment.args["serving"].pop("ingress", None)  # back to the config's default
+        replicas = ENGRAM_INGRESS_REPLICAS[case]
+        deployment.redeploy({} if replicas is None else
+                            {"serving": {"ingress": {"num_replicas": replicas}}})
+        return deployment.wait_ready()
+    log(f"deploying {case}: ray.serve.llm.build_openai_app")
+    # As LocalDeployment deploys: _run(_blocking=False) returns at once, so progress can show.
+    _run(plain_app(deployment), _blocking=False, name=PLAIN_APP, route_prefix="/")
+    return wait_running(PLAIN_APP, deployment.url, deployment.options.startup_timeout_s)
+
+
+def wait_running(app_name: str, url: str, timeout_s: float) -> float:
+    from ray import serve
+
+    from engram_ray.local.deployment import log
+
+    start = time.monotonic()
+    while (elapsed := time.monotonic() - start) < timeout_s:
+        app = serve.status().applications.get(app_name)
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"{app_name}: deployment failed: {app.message}")
+        if app is not None and app.status == "RUNNING" and _answers(f"{url}/v1/models"):
+            return elapsed
+        if int(elapsed) % 15 == 0:
+            status = getattr(app, "status", "waiting for the application")
+            log(f"{elapsed:5.0f} s  {app_name}: {getattr(status, 'value', status)}")
+        time.sleep(1.0)
+    raise RuntimeError(f"{app_name} was not ready after {timeout_s:.0f} s")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def remove(deployment, case: str) -> None:
+    """Delete `case`'s app; for engram, wait until its coordinator has ended with it and
+    remove what it left (store folder, shm slices, vLLM ring buffers), as before a start."""
+    import ray
+    from ray import serve
+
+    from engram_ray.actors.coordinator import coordinator_name
+    from engram_ray.errors import EngramRayError
+    from engram_ray.local.deployment import log
+
+    started = time.monotonic()
+    serve.delete(PLAIN_APP if case == PLAIN_APP else deployment.app_name)
+    if case == PLAIN_APP:
+        return
+    name = coordinator_name(deployment.config.deployment.name)
+    while True:
+        try:
+            ray.get_actor(name, namespace="engram")
+            gone, problem = False, f"{name} still alive"
+        except ValueError:
+            gone = True
+        if gone:
+            try:
+                deployment.clean_stale()
+                break
+            except EngramRayError as exc:  # its engine processes are still exiting
+                problem = str(exc)
+        if time.monotonic() - started > CLEANUP_TIMEOUT_S:
+            raise RuntimeError(f"{case} not cleaned up after {CLEANUP_TIMEOUT_S:.0f} s: "
+                               f"{problem}")
+        time.sleep(1.0)
+    log(f"{case} deleted and cleaned up in {time.monotonic() - started:.0f} s")
+
+
+def replicas_running(app_name: str) -> dict[str, int]:
+    from ray import serve
+
+    app = serve.status().applications[app_name]
+    return {name: dep.replica_states.get("RUNNING", 0) for name, dep in app.deployments.items()}
+
+
+def measure(deployment, case: str, label: str, args) -> tuple[dict, list]:
+    """Warm-up, then the closed-loop load: (figures, the requests that ended in the window)."""
+    from engram_ray.local.deployment import log
+    from engram_ray.local.loadgen import Traffic
+    from engram_ray.local.warmup import warm_up
+
+    # 4 requests of each kind at once: every ingress replica (at most 2) sees each kind.
+    warmup = warm_up(deployment.url, deployment.model_id, num_engines=2)
+    traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=args.concurrency,
+                      max_tokens=args.max_tokens).start()
+    time.sleep(args.warmup_s)
+    load_before = os.getloadavg()[0]
+    begin = time.monotonic()
+    while (elapsed := time.monotonic() - begin) < args.duration_s:
+        time.sleep(min(15.0, args.duration_s - elapsed))
+        done = [r for r in traffic.results if r.ended_at >= begin]
+        log(f"{label}: {time.monotonic() - begin:4.0f} of {args.duration_s:.0f} s, "
+            f"{sum(r.ok for r in done)} answered, {sum(not r.ok for r in done)} failed")
+    end = time.monotonic()
+    window = [r for r in traffic.stop() if begin <= r.ended_at <= end]
+    row = {"case": case, **figures(window, end - begin, args.concurrency),
+           "load_avg_1m_before": round(load_before, 1),
+           "warmup_slowest_s": max((s for w in warmup for s in w["slowest_s_per_round"]
+                                    if s is not None), default=None),
+           "warmup_errors": sum(len(w["errors"]) for w in warmup)}
+    return row, window
+
+
+def figures(results: list, window_s: float, concurrency: int) -> dict:
+    """req/s, latency percentiles (ms, answered requests), failures of `results`."""
+    from engram_ray.local.loadgen import LoadReport
+
+    def ms(values: dict, key: str):
+        return round(values[key] * 1000, 1) if key in values else None
+
+    report = LoadReport(concurrency, window_s, results)
+    total = report.percentiles("total_s")
+    streamed = LoadReport(concurrency, window_s, [r for r in results if r.stream])
+    row = {"window_s": round(window_s, 1), "answered": sum(r.ok for r in results),
+           "failed": len(report.failures), "lost_silently": len(report.lost),
+           "rps": round(sum(r.ok for r in results) / window_s, 2),
+           "p50_ms": ms(total, "p50"), "p99_ms": ms(total, "p99"),
+           "ttft_p50_ms_streamed": ms(streamed.percentiles("ttft_s"), "p50"),
+           "errors": sorted({r.error for r in report.failures})[:5]}
+    for kind, (chat, stream) in KINDS.items():
+        of_kind = [r for r in results if r.chat == chat and r.stream == stream]
+        row[f"p50_ms_{kind}"] = ms(LoadReport(concurrency, window_s, of_kind)
+                                   .percentiles("total_s"), "p50")
+    return row
+
+
+def ratios(case: dict, plain: dict) -> dict:
+    """Against the plain app: req/s ratio, p50 ratio and whether the targets are met (with
+    no failed request in either)."""
+    if not plain["rps"] or not plain["p50_ms"] or case["p50_ms"] is None:
+        return {"rps_ratio": None, "p50_ratio": None, "met": False}
+    rps_ratio, p50_ratio = case["rps"] / plain["rps"], case["p50_ms"] / plain["p50_ms"]
+    return {"rps_ratio": round(rps_ratio, 3), "p50_ratio": round(p50_ratio, 3),
+            "met": (rps_ratio >= MIN_RPS_RATIO and p50_ratio <= MAX_P50_RATIO
+                    and not case["failed"] and not plain["failed"])}
+
+
+def run(args) -> dict:
+    from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
+
+    env = environment()  # the code this run imports, whatever lands while it runs
+    deployment = LocalDeployment(LocalOptions(workdir=args.workdir, port=args.port,
+                                              name="frontdoor", num_peer_groups=1,
+                                              peer_group_size=1))
+    runs, windows = [], {case: [] for case in CASES}
+    try:
+        deployment.start()  # deploys the first case, engram-2
+        for round_idx in range(args.rounds):
+            for case in CASES:
+                label = f"round {round_idx + 1}/{args.rounds}, {case}"
+                first = round_idx == 0 and case == CASES[0]
+                ready_s = deployment.wait_ready() if first else deploy(deployment, case)
+                app_name = PLAIN_APP if case == PLAIN_APP else deployment.app_name
+                log(f"{label}: ready after {ready_s:.0f} s, replicas "
+                    f"{replicas_running(app_name)}; warm-up, then {args.duration_s:.0f} s")
+                row, window = measure(deployment, case, label, args)
+                row.update(round=round_idx + 1, ready_s=round(ready_s, 1),
+                           replicas_running=replicas_running(app_name))
+                runs.append(row)
+                windows[case] += window
+                log(f"{label}: {json.dumps(row)}")
+                remove(deployment, case)
+    finally:
+        deployment.stop()
+    pooled = {case: figures(windows[case], sum(r["window_s"] for r in runs
+                                                if r["case"] == case), args.concurrency)
+              for case in CASES}
+    per_round = {case: [ratios(r, p) for r, p in zip(
+        [r for r in runs if r["case"] == case], [r for r in runs if r["case"] == PLAIN_APP])]
+        for case in ENGRAM_INGRESS_REPLICAS}
+    comparison = {case: {**ratios(pooled[case], pooled[PLAIN_APP]), "per_round": per_round[case]}
+                  for case in ENGRAM_INGRESS_REPLICAS}
+    return {**{k: env[k] for k in ("date", "commit", "worktree_clean", "device")},
+            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+            "warmup_s": args.warmup_s, "duration_s": args.duration_s, "rounds": args.rounds,
+            "order": [case for _ in range(args.rounds) for case in CASES],
+            "targets": {"min_rps_ratio": MIN_RPS_RATIO, "max_p50_ratio": MAX_P50_RATIO},
+            "cases": pooled, "comparison": comparison, "runs": runs}
+
+
+def markdown(result: dict) -> str:
+    tree = "" if result["worktree_clean"] else " plus uncommitted changes"
+    lines = [f"# Ingress against Ray Serve LLM's plain app ({result['date']}, commit "
+             f"{result['commit']}{tree})", "",
+             f"Device: {result['device']}. One vLLM CPU engine per case (tiny Engram model, "
+             "eager, no prefix caching, one {\"CPU\": 1} bundle), Ray on 127.0.0.1, loopback "
+             f"only. Load: {result['concurrency']} closed-loop clients (completions and chat, "
+             f"streamed and not, in turn; {result['max_tokens']} tokens, greedy), "
+             f"{result['duration_s']:.0f} s measured per case and round after "
+             f"{result['warmup_s']:.0f} s of the same load and a warm-up of every request "
+             f"kind. Order: {', '.join(result['order'])} (each deployed alone, afresh). "
+             "Times in ms, of the whole request as its client saw it.", "",
+             "| case | answered | failed | req/s | p50 | p99 | TTFT p50 (streamed) | "
+             + " | ".join(f"p50 {kind}" for kind in KINDS) + " |", "|" + " --- |" * 11]
+    for case, c in result["cases"].items():
+        lines.append(f"| {case} | {c['answered']} | {c['failed']} | {c['rps']} | {c['p50_ms']} "
+                     f"| {c['p99_ms']} | {c['ttft_p50_ms_streamed']} | "
+                     + " | ".join(str(c[f"p50_ms_{kind}"]) for kind in KINDS) + " |")
+    lines += ["", f"Against `plain` (all rounds together; target: req/s ratio >= "
+              f"{MIN_RPS_RATIO}, p50 ratio <= {MAX_P50_RATIO}, no failed request):", "",
+              "| case | req/s ratio | p50 ratio | met | per round: req/s ratio | "
+              "per round: p50 ratio |", "|" + " --- |" * 6]
+    for case, c in result["comparison"].items():
+        lines.append(f"| {case} | {c['rps_ratio']} | {c['p50_ratio']} | "
+                     f"{'yes' if c['met'] else 'no'} | "
+                     f"{', '.join(str(r['rps_ratio']) for r in c['per_round'])} | "
+                     f"{', '.join(str(r['p50_ratio']) for r in c['per_round'])} |")
+    lines += ["", "Each run:", "", "| round | case | replicas running | ready (s) | answered | "
+              "failed | req/s | p50 | p99 | host load 1m before |", "|" + " --- |" * 10]
+    for r in result["runs"]:
+        lines.append(f"| {r['round']} | {r['case']} | {json.dumps(r['replicas_running'])} | "
+                     f"{r['ready_s']} | {r['answered']} | {r['failed']} | {r['rps']} | "
+                     f"{r['p50_ms']} | {r['p99_ms']} | {r['load_avg_1m_before']} |")
+    errors = sorted({e for c in result["cases"].values() for e in c["errors"]})
+    if errors:
+        lines += ["", "Errors seen (first of each kind):", ""] + [f"- {e}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--warmup-s", type=float, default=15.0,
+                        help="seconds of the load before each measurement")
+    parser.add_argument("--duration-s", type=float, default=60.0,
+                        help="seconds measured per case and round")
+    parser.add_argument("--rounds", type=int, default=2, help="each case once per round")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: one round of 15 s per case, nothing written")
+    parser.add_argument("--workdir", default="/tmp/engram-ray-ingress")
+    parser.add_argument("--port", type=int, default=8200)
+    add_results_argument(parser, "ingress")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.warmup_s, args.duration_s = 1, 5.0, 15.0
+    result = run(args)
+    text = markdown(result)
+    if args.quick:
+        print(text)
+    else:
+        write_results(args.results, result, text)
+
+
+if __name__ == "__main__":
+    main()
