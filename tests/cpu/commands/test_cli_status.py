@@ -54,7 +54,9 @@ def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path
         assert lines[0] == "deployment stat: 0 of 2 groups serving"
         ray.get(coordinator.member_ready.remote("m0"))
 
-        # a new gang for group-0 opens a new generation: restarts 1, not serving until ready
+        # group-0's member is lost: Serve's new gang opens a new generation (restarts 1, not
+        # serving until ready; a new gang while the group serves is a rolling change instead)
+        ray.get(coordinator.report_broken.remote("m0", "replica lost"))
         ray.get(coordinator.join.remote("group-0", "gang0b", 0, 1, "m0b"))
         result = status(address, "--name", "stat", "--json")
         assert result.returncode == 0, result.stderr
