@@ -30,10 +30,10 @@ def engine_processes() -> list[int]:
     return found
 
 
-def leftovers(deployment) -> dict:
+def leftovers(deployment, shm_before: frozenset = frozenset()) -> dict:
     """What of the deployment is still there: engine processes, /dev/shm segments and
-    semaphores no live process maps, listening metrics ports, store folders, the
-    coordinator."""
+    semaphores no live process maps (but those in `shm_before`: another run's), listening
+    metrics ports, store folders, the coordinator."""
     import glob
     import socket
 
@@ -42,7 +42,7 @@ def leftovers(deployment) -> dict:
 
     mapped = mapped_shm_inodes() or set()
     shm = [p for p in glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/sem.mp-*")
-           if os.stat(p).st_ino not in mapped]
+           if p not in shm_before and os.stat(p).st_ino not in mapped]
     base = deployment.config.serving.metrics_port  # 0: free ports, not checked here
     listening = []
     for port in range(base, base + 2 * deployment.options.num_logical_cpus if base else 0):
@@ -68,15 +68,17 @@ def kill_then_shut_down(deployment, wait_s: float = 5.0, timeout_s: float = 60.0
     (`leftovers`), and what was still there at `timeout_s` ("left", empty when clean)."""
     from ray import serve
 
+    other_runs = frozenset(leftovers(deployment).get("shm", []))  # before the kill: not ours
     kill("replica", "group-0")
     time.sleep(wait_s)
     started = time.monotonic()
     serve.shutdown()
     shut_down_s = time.monotonic() - started
-    left = leftovers(deployment)
+    left = leftovers(deployment, other_runs)
     while left and time.monotonic() - started < timeout_s:
         time.sleep(1.0)
-        left = leftovers(deployment)
+        left = leftovers(deployment, other_runs)
     return {"kind": "kill -9 replica, then serve shutdown", "serve_shutdown_s":
             round(shut_down_s, 1), "clean_after_s": None if left else
-            round(time.monotonic() - started, 1), "left": left}
+            round(time.monotonic() - started, 1), "left": left,
+            "other_runs_shm": sorted(other_runs)}
