@@ -69,6 +69,10 @@ def format_status(name: str, groups: dict) -> str:
             state = ("engine restarting" if str(rank) in restarting
                      else "ready" if str(rank) in ready else "not ready")
             lines.append(f"  {gid} rank {rank}: {member.get('replica_id')} ({state})")
+        if g.get("starting"):  # a rolling change (serving.rollout.mode beside)
+            lines.append(f"  {gid} rolling: generation {g['starting']} starting beside")
+        if g.get("retired"):
+            lines.append(f"  {gid} rolling: generation {g['retired']} replaced, draining")
     return "\n".join(lines)
 
 

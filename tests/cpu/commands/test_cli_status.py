@@ -73,3 +73,17 @@ def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path
             "deployment.name?")
     finally:
         ray.kill(coordinator)
+
+
+def test_status_shows_a_group_rolling():
+    from engram_ray.commands.status import format_status
+
+    group = {"domain": "a", "generation": "d-group-0.3.ab", "history": [{}, {}], "members": {},
+             "ready_at": {}, "serving": False, "reason": "taking over (0 of 1 members running)",
+             "starting": None, "retired": "d-group-0.2.cd"}
+    lines = format_status("d", {"group-0": group}).splitlines()
+    assert lines[-1] == "  group-0 rolling: generation d-group-0.2.cd replaced, draining"
+    assert lines[2].endswith("no: taking over (0 of 1 members running)")
+    lines = format_status("d", {"group-0": {**group, "retired": None,
+                                            "starting": "d-group-0.4.ef"}}).splitlines()
+    assert lines[-1] == "  group-0 rolling: generation d-group-0.4.ef starting beside"
