@@ -5,7 +5,8 @@ first member opens the group's `next` generation (`GenerationBook.join`); once e
 it is ready it takes over (`_promote`): the old generation retires (no new requests, its
 members report what they still run) and the new one serves once Serve runs every member
 (`member_running`). A new member ends its start (and so lets Serve stop the old gang) only
-when `may_take_over`: its generation took over and the retired one drained.
+when `may_take_over`: its generation took over and the retired one drained. Groups take over
+one at a time (a group taking over serves no request for that moment; the others do).
 """
 
 from __future__ import annotations
@@ -13,11 +14,39 @@ from __future__ import annotations
 import time
 
 
+# A group that takes over serves no request until Serve runs its new members (a second or
+# two, plus the old gang's drain): groups take over one at a time so that the others serve
+# meanwhile. One stuck longer than this no longer holds the others back.
+MAX_TAKEOVER_S = 300.0
+
+
 class RolloutMixin:
-    def _promote(self, group: GroupRecord) -> None:
-        """Every member of `next` is ready: it takes over; `current` retires (drains)."""
+    def _ready_to_take_over(self, group) -> None:
+        """Every member of `group.next` is ready: it takes over now, or once no other group
+        is taking over (`_take_over_next`)."""
+        if not any(self._is_taking_over(g) for g in self.groups.values() if g is not group):
+            self._promote(group)
+
+    def _is_taking_over(self, group) -> bool:
+        gen = group.current
+        return (gen is not None and gen.took_over and gen.broken is None
+                and not gen.is_serving(self.config.peer_group_size)
+                and time.time() - gen.took_over_at < MAX_TAKEOVER_S)
+
+    def _take_over_next(self) -> None:
+        """A group finished taking over (or stopped trying): the next ready one may."""
+        if any(self._is_taking_over(g) for g in self.groups.values()):
+            return
+        size = self.config.peer_group_size
+        waiting = [g for g in self.groups.values()
+                   if g.next is not None and len(g.next.ready_at) == size]
+        if waiting:
+            self._promote(min(waiting, key=lambda g: max(g.next.ready_at.values())))
+
+    def _promote(self, group) -> None:
+        """`group.next` takes over; `current` retires (drains)."""
         new, old = group.next, group.current
-        new.took_over, old.retired_at = True, time.time()
+        new.took_over, new.took_over_at, old.retired_at = True, time.time(), time.time()
         group.current, group.next, group.retired = new, None, old
 
     def member_running(self, replica_id: str) -> bool:
@@ -28,7 +57,10 @@ class RolloutMixin:
             rank = gen.rank_of(replica_id) if gen else None
             if rank is not None and rank not in gen.running:
                 gen.running.add(rank)
-                return gen.took_over and gen.is_serving(self.config.peer_group_size)
+                took_over = gen.took_over and gen.is_serving(self.config.peer_group_size)
+                if took_over:
+                    self._take_over_next()
+                return took_over
         return False
 
     def is_retired(self, replica_id: str) -> bool:

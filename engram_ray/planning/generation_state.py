@@ -22,6 +22,7 @@ class Generation:
     # A gang that took over beside its predecessor (a rolling change) serves once Serve runs
     # every member (its start returned; `running`): until then Serve still routes to the old.
     took_over: bool = False
+    took_over_at: float | None = None
     running: set = field(default_factory=set)
     retired_at: float | None = None                 # replaced by a rolling change: draining
     in_flight: dict = field(default_factory=dict)   # rank -> requests running (retired)

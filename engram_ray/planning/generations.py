@@ -147,7 +147,7 @@ class GenerationBook(RolloutMixin, RebuildMixin):
                 if restart is not None:
                     gen.restarts.append({"rank": rank, **restart, "ready_at": time.time()})
                 if gen is group.next and len(gen.ready_at) == self.config.peer_group_size:
-                    self._promote(group)
+                    self._ready_to_take_over(group)
                 return group.group_id, rank
         return None
 
@@ -176,6 +176,7 @@ class GenerationBook(RolloutMixin, RebuildMixin):
         if gen is None or gen.generation != generation or gen.broken is not None:
             return False
         gen.broken, gen.broken_at = reason, time.time()
+        self._take_over_next()  # a group that was taking over no longer holds the others
         return True
 
     def routing(self) -> dict[str, dict]:

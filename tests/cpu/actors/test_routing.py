@@ -338,3 +338,24 @@ def test_a_changed_setting_is_named_and_only_rollable_ones_roll():
         raise AssertionError("a change of peer_group_size rolled out")
     whole = {**fixed, "serving": {**old["serving"], "rollout": {"mode": "restart"}}}
     assert not rolls_out(old, whole, "d")  # applied whole: the coordinator is replaced
+
+
+def test_groups_take_over_one_at_a_time_so_that_another_always_serves(tmp_path):
+    book = _book(tmp_path)
+    for g in ("group-0", "group-1"):
+        for rank in (0, 1):
+            book.join(g, f"{g}-old", rank, 2, f"{g}-o{rank}")
+            book.member_ready(f"{g}-o{rank}")
+    for g in ("group-0", "group-1"):  # both new gangs ready at once (spare slots for both)
+        for rank in (0, 1):
+            book.join(g, f"{g}-new", rank, 2, f"{g}-n{rank}")
+            book.member_ready(f"{g}-n{rank}")
+    status = book.status()
+    assert status["group-0"]["retired"] and status["group-1"]["starting"]  # one takes over
+    assert book.routing()["group-1"]["serving"]  # the other serves on its old gang
+    assert not book.may_take_over("group-1-n0", 0.0)
+    book.member_running("group-0-n0")
+    book.member_running("group-0-n1")  # group-0 serves again: group-1's turn
+    status = book.status()
+    assert status["group-1"]["retired"] and status["group-1"]["starting"] is None
+    assert book.routing()["group-0"]["serving"] and not book.routing()["group-1"]["serving"]
