@@ -217,10 +217,14 @@ def release_recorded(owner: str | None = None, wait_s: float = 0.0) -> list[str]
 
 
 def release_leftovers(owner: str | None = None, wait_s: float = 0.0) -> list[str]:
-    """`release_recorded(owner, wait_s)`, then every unused semaphore (`release_semaphores`):
+    """Orphaned engine processes ended (`kill_orphaned_engines`), `release_recorded(owner,
+    wait_s)`, then every unused semaphore (`release_semaphores`):
     what a replica runs when it starts and stops, so that what killed replicas and engines
     left on its node goes with the next one to start or stop there. Returns the segments
     kept."""
+    from engram_ray.vllm.orphan_watch import kill_orphaned_engines
+
+    kill_orphaned_engines()  # first: what they map is theirs until they are gone
     kept = release_recorded(owner, wait_s)
     release_semaphores()
     return kept

@@ -11,10 +11,16 @@ and, if it is still alive `TERM_GRACE_S` later, SIGKILL.
 A poll, not `PR_SET_PDEATHSIG`: that signal follows the parent *thread* that forked the child,
 and the replica starts engines from worker threads (a restart in place runs off its event
 loop), whose end would kill a healthy engine.
+
+The watch starts with the plugin, and vLLM loads plugins after its engine-core handshake: an
+EngineCore whose replica dies during that handshake waits there, orphaned, with no watch (seen
+once: a replica killed mid-start). `kill_orphaned_engines` ends such processes; a replica runs
+it when it starts and stops (`engram_ray.serve.engine_shm.release_leftovers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -47,3 +53,32 @@ def watch_parent() -> bool:
     threading.Thread(target=_watch, args=(parent.pid,), daemon=True,
                      name="engram-parent-watch").start()
     return True
+
+
+ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")  # vLLM's process titles
+
+
+def kill_orphaned_engines(grace_s: float = 3.0) -> list[int]:
+    """End this user's vLLM engine processes whose parent is gone (reparented to init: an
+    engine process always has its client as parent): SIGTERM, SIGKILL after `grace_s`.
+    Their pids."""
+    import psutil
+
+    orphans = []
+    for proc in psutil.process_iter(["ppid", "uids", "name", "cmdline"]):
+        try:
+            title = (proc.info["name"] or "") + " " + " ".join(proc.info["cmdline"] or [])
+            if proc.info["ppid"] == 1 and proc.info["uids"].real == os.getuid() \
+                    and any(t in title for t in ENGINE_TITLES):
+                orphans.append(proc)
+        except (psutil.Error, TypeError, AttributeError):
+            continue
+    for proc in orphans:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(orphans, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [proc.pid for proc in orphans]

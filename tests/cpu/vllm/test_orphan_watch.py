@@ -60,3 +60,31 @@ def test_no_watch_outside_a_multiprocessing_child():
     from engram_ray.vllm.orphan_watch import watch_parent
 
     assert not watch_parent()  # pytest's process: no multiprocessing parent
+
+
+def test_orphaned_engine_processes_are_ended_and_live_ones_kept():
+    """An engine process whose replica died before vLLM loaded the plugin (its handshake) has
+    no watch: `kill_orphaned_engines` ends it (reparented to init); one whose parent lives
+    stays."""
+    from engram_ray.vllm.orphan_watch import kill_orphaned_engines
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)", "VLLM::EngineCore"]
+    kept = subprocess.Popen(sleep)  # our child: its parent (this process) lives
+    launcher = subprocess.run(  # its child exits at once: the sleeper is reparented to init
+        ["sh", "-c", '"$@" >/dev/null 2>&1 & echo $!', "sh", *sleep], capture_output=True,
+        text=True, timeout=30)
+    orphan = int(launcher.stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 10
+        while psutil.Process(orphan).ppid() != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if psutil.Process(orphan).ppid() != 1:
+            import pytest
+            pytest.skip("orphans are not reparented to init here (a subreaper)")
+        assert orphan in kill_orphaned_engines()
+        assert _gone(orphan) and not _gone(kept.pid)
+    finally:
+        kept.kill()
+        kept.wait()
+        if not _gone(orphan):
+            psutil.Process(orphan).kill()
