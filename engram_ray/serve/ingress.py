@@ -44,7 +44,10 @@ LOST_HINT_S = 10.0
 # The failures of a group (not of a request): the replica or its engine is gone.
 GROUP_FAILURES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
                   "DeploymentUnavailableError", "EngineDeadError", "EngineGenerateError",
-                  "MemberRetiredError"}  # a gang replaced by a rolling change
+                  "MemberRetiredError"}
+# A member of a gang a rolling change replaced refuses new requests: not a failure of its
+# group (which serves on the new gang), so it is tried again after this pause, not skipped.
+RETIRED_FAILURE, RETIRED_WAIT_S = "MemberRetiredError", 0.5
 
 _picked = contextvars.ContextVar("engram_picked_handle", default=None)
 # Where a request went ({"group", "generation"}), filled by `_get_response` for the
@@ -68,10 +71,15 @@ def live_replica_ids() -> set[str] | None:
 
 def is_group_failure(exc: BaseException) -> bool:
     """True for the exceptions a dead replica or engine raises (also wrapped by Ray)."""
+    return is_failure_named(exc, *GROUP_FAILURES)
+
+
+def is_failure_named(exc: BaseException, *names: str) -> bool:
+    """True when `exc` or one of its causes (Ray wraps them) has one of these class names."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if type(exc).__name__ in GROUP_FAILURES:
+        if type(exc).__name__ in names:
             return True
         exc = getattr(exc, "cause", None) or exc.__cause__
     return False
@@ -213,6 +221,11 @@ class PeerGroupIngress(OpenAiIngress):
             except Exception as exc:
                 if not is_group_failure(exc) or attempt == MAX_ATTEMPTS:
                     raise
+                if is_failure_named(exc, RETIRED_FAILURE):
+                    # A replaced gang's member, still known to Serve's router while the new
+                    # one is not yet: its group serves (on the new gang); try again shortly.
+                    await asyncio.sleep(RETIRED_WAIT_S)
+                    continue
                 if not await self._routing.wait_change(seen, BROKEN_WAIT_S):
                     self._lost(group_id, generation, exc)
                     tried.add(group_id)

@@ -9,7 +9,8 @@ from pathlib import Path
 from engram_ray.model.layout import load_layout
 from engram_ray.planning.generations import GenerationBook
 from engram_ray.serve.cluster_configs import load_serve_config
-from engram_ray.serve.ingress import GroupRouting, error_event, is_group_failure
+from engram_ray.serve.ingress import (RETIRED_FAILURE, GroupRouting, error_event,
+                                      is_failure_named, is_group_failure)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
@@ -101,6 +102,9 @@ def test_group_failures_are_told_from_request_errors():
     assert is_group_failure(wrapped)
     assert not is_group_failure(ValueError("bad prompt"))
     assert not is_group_failure(ray.exceptions.RayTaskError("f", "tb", ValueError("x")))
+    retired = ray.exceptions.RayTaskError("f", "tb", type("MemberRetiredError", (Exception,), {})())
+    assert is_group_failure(retired) and is_failure_named(retired, RETIRED_FAILURE)
+    assert not is_failure_named(wrapped, RETIRED_FAILURE)  # a dead engine: its group is lost
     assert error_event("gone").startswith('data: {"error": {"message": "gone"')
 
 
