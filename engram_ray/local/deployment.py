@@ -19,7 +19,8 @@ from pathlib import Path
 
 from engram_ray.errors import EngramRayError
 from engram_ray.private_dirs import private_dir
-from engram_ray.serve.engine_death import EngineDiedError, deaths_dir, read_deaths
+from engram_ray.planning.assignment import deaths_dir
+from engram_ray.serve.engine_death import EngineDiedError, read_deaths
 from engram_ray.serve.engine_shm import processes_using, release_leftovers
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 from engram_ray.model.layout import EngramLayout
 from engram_ray.planning.memory import slice_range
@@ -50,6 +51,12 @@ def generation_id(deployment: str, group_id: str, index: int, token: str) -> str
 
 def group_store_root(peer_group_store: str, deployment: str, group_id: str) -> str:
     return os.path.join(peer_group_store, deployment, group_id)
+
+
+def deaths_dir(peer_group_store: str, deployment: str) -> Path:
+    """Where a deployment's replicas record engine deaths (`engram_ray.serve.engine_death`):
+    beside its groups' store folders, removed with them (`GenerationBook.remove_stores`)."""
+    return Path(peer_group_store, deployment, "engine-deaths")
 
 
 def generation_store_dir(peer_group_store: str, deployment: str, group_id: str,

@@ -36,8 +36,9 @@ import time
 from engram_ray.config import DeploymentConfig
 from engram_ray.errors import EngramRayError
 from engram_ray.model.layout import EngramLayout
-from engram_ray.planning.assignment import (create_store_dir, generation_id, generation_store_dir,
-                                            group_store_root, remove_store_dir, slices_of)
+from engram_ray.planning.assignment import (create_store_dir, deaths_dir, generation_id,
+                                            generation_store_dir, group_store_root,
+                                            remove_store_dir, slices_of)
 from engram_ray.planning.generation_rebuild import RebuildMixin
 from engram_ray.planning.generation_rollout import RolloutMixin
 from engram_ray.planning.generation_state import Generation, GroupRecord
@@ -218,9 +219,17 @@ class GenerationBook(RolloutMixin, RebuildMixin):
         return len(self.member_ids())
 
     def remove_stores(self) -> None:
+        """Every group's store folder, the engine-death records, then the deployment's
+        folder itself if nothing else is in it."""
         for group_id in self.groups:
             remove_store_dir(group_store_root(self.config.peer_group_store, self.config.name,
                                               group_id))
+        deaths = deaths_dir(self.config.peer_group_store, self.config.name)
+        remove_store_dir(str(deaths))
+        try:
+            deaths.parent.rmdir()
+        except OSError:  # not empty (another deployment's leftovers are not ours) or gone
+            pass
 
     def status(self) -> dict:
         return {gid: {"domain": g.domain_id,

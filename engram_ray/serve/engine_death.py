@@ -161,13 +161,11 @@ class EngineDeath:
         return f"engine {self.engine} died {self.phase}: {self.cause}{where}"
 
 
-def deaths_dir(store_root: str, deployment_name: str) -> Path:
-    """Where a deployment's replicas record engine deaths (inside its store folder, which the
-    local deployment removes at its start and stop)."""
-    return Path(store_root, deployment_name, "engine-deaths")
-
-
 def record_death(folder: Path, replica_id: str, death: EngineDeath) -> None:
+    """Write the record, unless the deployment's store folder is gone (its application was
+    deleted while this replica stopped: a record then would outlive the deployment)."""
+    if not folder.parent.is_dir():
+        return
     private_dir(folder, "engine deaths folder")
     tmp = folder / f".{replica_id}.tmp"
     tmp.write_text(json.dumps(asdict(death)))

@@ -42,8 +42,9 @@ from engram_ray.errors import EngramRayError
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
                                            port_name)
+from engram_ray.planning.assignment import deaths_dir
 from engram_ray.serve.coordinator_link import CoordinatorLinkMixin
-from engram_ray.serve.engine_death import EngineDiedError, EngineWatch, deaths_dir
+from engram_ray.serve.engine_death import EngineDiedError, EngineWatch
 from engram_ray.serve.engine_shm import record_segments, release_leftovers
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
 from engram_ray.serve.stat_logger import EngramStatLogger

@@ -72,6 +72,25 @@ def test_a_member_that_stops_breaks_its_generation(tmp_path):
                                          "restarting_ranks": []}
 
 
+def test_removing_the_stores_takes_the_death_records_and_a_late_record_stays_out(tmp_path):
+    """What `serve shutdown` leaves (CI, 2026-12-03: a replica's engine-death record outlived
+    its application): the book removes every group folder, the death records and the
+    deployment's folder; a replica that records a death after that writes nothing."""
+    from engram_ray.planning.assignment import deaths_dir
+    from engram_ray.serve.engine_death import EngineDeath, record_death
+
+    book = _book(tmp_path)
+    gen = book.join("group-0", "g", 0, 2, "a")
+    folder = deaths_dir(book.config.peer_group_store, book.config.name)
+    death = EngineDeath("group-0-r0", "worker exited with code 1", "while serving", None, 1.0)
+    record_death(folder, "a", death)
+    assert Path(gen["store_dir"]).is_dir() and (folder / "a.json").is_file()
+    book.remove_stores()
+    assert not folder.parent.exists()
+    record_death(folder, "b", death)
+    assert not folder.parent.exists()
+
+
 def test_a_member_restarting_its_engine_keeps_its_group_and_generation(tmp_path):
     book = _book(tmp_path)
     gen = book.join("group-0", "g", 0, 2, "a")["generation"]
