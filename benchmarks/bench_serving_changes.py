@@ -108,7 +108,10 @@ def markdown(result: dict) -> str:
               + (f"nothing of the deployment left after {stop['clean_after_s']} s (no engine "
                  "process, no unmapped /dev/shm segment or semaphore, no listening metrics "
                  "port, no store folder, no coordinator)." if not stop["left"] else
-                 f"LEFT after 60 s: {stop['left']}"), "",
+                 f"LEFT after 60 s: {stop['left']}"),
+              f"Unmapped /dev/shm files from before the kill (earlier steps' or another "
+              f"run's): {len(stop['unmapped_before_kill'])}, of them still there after the "
+              f"stop: {len(stop['unmapped_before_kill_left'])}.", "",
               "Coordinator kill: back = until it answered with a new incarnation and every "
               "group as before (requests counted from the kill). Worker kill: back = until "
               "the member served again (requests sent from its detection). Rollouts: rolled "

@@ -78,7 +78,10 @@ def kill_then_shut_down(deployment, wait_s: float = 5.0, timeout_s: float = 60.0
     while left and time.monotonic() - started < timeout_s:
         time.sleep(1.0)
         left = leftovers(deployment, other_runs)
+    # Unmapped before the kill: another run's, or this deployment's from earlier faults; what
+    # of them is still there is reported, not counted (another run's are not ours to remove).
     return {"kind": "kill -9 replica, then serve shutdown", "serve_shutdown_s":
             round(shut_down_s, 1), "clean_after_s": None if left else
             round(time.monotonic() - started, 1), "left": left,
-            "other_runs_shm": sorted(other_runs)}
+            "unmapped_before_kill": sorted(other_runs),
+            "unmapped_before_kill_left": sorted(p for p in other_runs if os.path.exists(p))}

@@ -85,8 +85,8 @@ class GenerationBook(RolloutMixin, RebuildMixin):
         folders (Serve deletes its deployment)."""
         self.config = config
         for gid in [g for g in self.groups if g not in domains]:
-            for gen in self.groups.pop(gid).generations():
-                remove_store_dir(gen.store_dir)
+            del self.groups[gid]
+            remove_store_dir(group_store_root(config.peer_group_store, config.name, gid))
         for gid, domain in domains.items():
             self.groups.setdefault(gid, GroupRecord(gid, domain)).domain_id = domain
 

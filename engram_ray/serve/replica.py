@@ -323,11 +323,15 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
 
 def _shut_down_vllm(server) -> None:
     """Stop the replica's vLLM engine (AsyncLLM: its engine-core process and executor), as
-    Ray Serve LLM's own shutdown does not, then release the shared-memory ring buffers the
-    engine mapped, and what killed replicas left on this node (`engine_shm`)."""
+    Ray Serve LLM's own shutdown does not, and kill what of it is still exiting; then release
+    the shared-memory ring buffers the engine mapped, and what killed replicas left on this
+    node (`engine_shm`)."""
     client = getattr(getattr(server, "engine", None), "_engine_client", None)
     if client is not None and hasattr(client, "shutdown"):
         client.shutdown()
+    processes = getattr(server, "_engine_processes", None)
+    if processes is not None:  # still exiting: what they map would be kept (and outlive
+        processes.kill()       # a `serve shutdown`, where no replica starts or stops later)
     release_leftovers()  # this engine's, and any a killed replica left on this node
 
 

@@ -85,6 +85,9 @@ def test_removing_the_stores_takes_the_death_records_and_a_late_record_stays_out
     death = EngineDeath("group-0-r0", "worker exited with code 1", "while serving", None, 1.0)
     record_death(folder, "a", death)
     assert Path(gen["store_dir"]).is_dir() and (folder / "a.json").is_file()
+    book.join("group-1", "g1", 0, 2, "c")
+    book.reconfigure(book.config, {"group-0": "a"})  # num_peer_groups 2 -> 1: group-1 goes
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["engine-deaths", "group-0"]
     book.remove_stores()
     assert not folder.parent.exists()
     record_death(folder, "b", death)
