@@ -61,6 +61,21 @@ class EngineProcesses:
         return [p.pid for p in stuck]
 
 
+def end_engine(client, processes: EngineProcesses | None, owner: str | None = None) -> list[int]:
+    """vLLM's client shut down (its engine-core process and executor: Ray Serve LLM's own
+    shutdown does not), every process of the engine killed and waited for (one still exiting
+    would keep its ring buffers mapped), then its ring buffers and what killed replicas left
+    on this node released (`engine_shm.release_leftovers`; `owner`: that replica's records
+    only). The pids that would not go."""
+    from engram_ray.serve.engine_shm import release_leftovers
+
+    if client is not None and hasattr(client, "shutdown"):
+        client.shutdown()
+    stuck = processes.kill() if processes is not None else []
+    release_leftovers(owner)
+    return stuck
+
+
 class MemberRestartMixin:
     """The restart in place of `EngramServerMixin` (module doc)."""
 
@@ -172,17 +187,11 @@ class MemberRestartMixin:
         return phases
 
     async def _stop_engine(self) -> None:
-        """vLLM's client shut down, every process of the engine killed and waited for, its
-        ring buffers released."""
-        from engram_ray.serve.engine_shm import release_leftovers
-
-        client = getattr(self.engine, "_engine_client", None)
-        if client is not None and hasattr(client, "shutdown"):
-            await asyncio.to_thread(client.shutdown)
-        stuck = await asyncio.to_thread(self._engine_processes.kill)
+        """The engine ended (`end_engine`) before it starts again in place."""
+        stuck = await asyncio.to_thread(end_engine, getattr(self.engine, "_engine_client", None),
+                                        self._engine_processes, self._replica_id)
         if stuck:
             raise RuntimeError(f"processes {stuck} of the engine did not exit")
-        await asyncio.to_thread(release_leftovers, self._replica_id)
 
 
 async def _engine_started_off_the_loop(engine_cls, llm_config, step=lambda _name: None):

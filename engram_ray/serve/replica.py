@@ -48,7 +48,7 @@ from engram_ray.serve.engine_death import EngineDiedError, EngineWatch
 from engram_ray.serve.engine_shm import record_segments, release_leftovers
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
 from engram_ray.serve.stat_logger import EngramStatLogger
-from engram_ray.serve.member_restart import MemberRestartMixin, own_actor
+from engram_ray.serve.member_restart import MemberRestartMixin, end_engine, own_actor
 from engram_ray.tables.settings import PeerGroupSettings
 
 APP_CONFIG_KEY = "engram_app"
@@ -317,22 +317,9 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
             await self._leave()
         try:
             await super().__del__()
-        finally:
-            _shut_down_vllm(self)
-
-
-def _shut_down_vllm(server) -> None:
-    """Stop the replica's vLLM engine (AsyncLLM: its engine-core process and executor), as
-    Ray Serve LLM's own shutdown does not, and kill what of it is still exiting; then release
-    the shared-memory ring buffers the engine mapped, and what killed replicas left on this
-    node (`engine_shm`)."""
-    client = getattr(getattr(server, "engine", None), "_engine_client", None)
-    if client is not None and hasattr(client, "shutdown"):
-        client.shutdown()
-    processes = getattr(server, "_engine_processes", None)
-    if processes is not None:  # still exiting: what they map would be kept (and outlive
-        processes.kill()       # a `serve shutdown`, where no replica starts or stops later)
-    release_leftovers()  # this engine's, and any a killed replica left on this node
+        finally:  # Serve's own stop leaves the engine running
+            end_engine(getattr(getattr(self, "engine", None), "_engine_client", None),
+                       getattr(self, "_engine_processes", None))
 
 
 class EngramLLMServer(EngramServerMixin, LLMServer):
