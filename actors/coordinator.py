@@ -28,6 +28,9 @@ A rolling change (`reconfigure`; a gang started beside the serving one takes ove
 and the old one drained: `member_check`, `may_take_over`, `member_running`):
 `engram_ray.planning.generation_rollout`.
 
+Groups follow capacity (`_follow_capacity`): a group whose domain is lost is placed again in
+another with room (`engram_ray.serve.group_placement`).
+
 Lifetime (`actors/lifetime.py`): killed, it restarts and rebuilds its book from the members
 (`rejoin`, sent by `engram_ray.serve.coordinator_link`); it ends with its Serve application,
 taking the store folders, the targets and the http_sd port with it.
@@ -91,6 +94,8 @@ class Coordinator:
         self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
         threading.Thread(target=self._watch_members, daemon=True,
                          name="engram-member-watch").start()
+        threading.Thread(target=self._follow_capacity, daemon=True,
+                         name="engram-capacity-watch").start()
         self.sd_server = None
         if config.serving.http_sd_port:
             self.sd_server = TargetsServer(self.target_groups,
@@ -290,6 +295,34 @@ class Coordinator:
                         if self._actors.pop(replica_id, None) is not None:
                             self._break_locked(replica_id, "replica actor lost "
                                                            f"({type(exc).__name__})")
+
+    def _follow_capacity(self) -> None:
+        """A group whose domain is lost is placed again in one with room
+        (`engram_ray.serve.group_placement`); its new domain is kept here and in the saved
+        settings, so a restart or the next build keeps it there."""
+        from engram_ray.serve.group_placement import CHECK_PERIOD_S, CapacityFollower
+
+        follower, last_error = CapacityFollower(), None
+        while True:
+            time.sleep(CHECK_PERIOD_S)
+            try:
+                moved = follower.check(self.config.deployment)
+            except Exception as exc:  # noqa: BLE001 - Serve busy or restarting: checked again
+                if repr(exc) != last_error:  # once per kind of failure, not every period
+                    logger.exception("engram-ray: checking the domains of %s's groups failed",
+                                     self.deployment_name)
+                last_error = repr(exc)
+                continue
+            last_error = None
+            if moved:
+                with self._lock:
+                    app_config_dict, domains = self.made_with
+                    domains = {**domains, **moved}
+                    self.book.reconfigure(self.config.deployment, domains)
+                    self.made_with = (app_config_dict, domains)
+                    save_settings(coordinator_name(self.deployment_name), app_config_dict,
+                                  domains, self.lineage)
+                    self._routing_changed_locked()
 
     def status(self) -> dict:
         with self._lock:

@@ -19,13 +19,7 @@ from engram_ray.actors.coordinator import Coordinator, coordinator_name
 from engram_ray.errors import EngramRayError
 
 logger = logging.getLogger(__name__)
-
-
-def _head_node_id() -> str:
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return ray.get_runtime_context().get_node_id()
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node only
 
 
 def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_name: str):
@@ -82,11 +76,11 @@ def find_coordinator(deployment_name: str):
 
 
 def _coordinator_actor(app_config_dict: dict, domains: dict[str, str], deployment_name: str):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # An explicit node-affinity strategy keeps it out of any placement group of its creator.
+    # NOTES: on the head node, whichever node that is (a restarted head has another node id):
+    # a soft node affinity was measured to spill to a worker node when the head was busy,
+    # where the coordinator died with that node. "DEFAULT" keeps it out of any placement
+    # group of its creator.
     return Coordinator.options(
         name=coordinator_name(deployment_name), namespace="engram", get_if_exists=True,
-        lifetime="detached",
-        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=True),
+        lifetime="detached", resources={HEAD_RESOURCE: 0.001}, scheduling_strategy="DEFAULT",
     ).remote(app_config_dict, domains)

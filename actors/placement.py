@@ -101,13 +101,15 @@ def check_room_beside(config: DeploymentConfig, domains: dict[str, str]) -> None
 RETRY_WINDOW_S = 30.0
 
 
-def plan_groups(config: DeploymentConfig, num_groups: int) -> list[PeerGroupPlan]:
-    """`num_groups` peer groups, each given a domain with room for it; waits up to
+def plan_groups(config: DeploymentConfig, num_groups: int,
+                keep: dict[str, str] | None = None) -> list[PeerGroupPlan]:
+    """`num_groups` peer groups, each given a domain with room for it (a group of `keep`,
+    group id -> domain id, stays where it runs while it has room there); waits up to
     `placement_timeout_s` for room (nodes joining, GPUs being freed), then `PlacementError`."""
     deadline = _placement_deadline(config)
     while True:
         domains = discover_domains(config)
-        placed, num_missing = place_groups(domains, config.peer_group_size, num_groups)
+        placed, num_missing = place_groups(domains, config.peer_group_size, num_groups, keep)
         if not num_missing:
             _placement_deadline_key(config, clear=True)
             return placed
@@ -143,7 +145,8 @@ def unplaced_message(config: DeploymentConfig, num_groups: int, placed: list[Pee
     """One line: the groups that cannot be placed, what each needs, every domain's free
     slots, what to do."""
     resource, _ = slot_resource(config)
-    missing = [f"group-{i}" for i in range(len(placed), num_groups)]
+    placed_ids = {g.group_id for g in placed}
+    missing = [f"group-{i}" for i in range(num_groups) if f"group-{i}" not in placed_ids]
     return (f"peer group(s) {', '.join(missing)} of {num_groups} cannot be placed within "
             f"{config.placement_timeout_s:g} s (placement_timeout_s): each needs "
             f"{config.peer_group_size} x {config.bundle} in one NVLink domain "

@@ -11,6 +11,10 @@ settings (`serving.ingress.num_replicas` 2), at least 90% of the requests per se
 
     engram-2   the engram-ray app as configured by default (2 ingress replicas)
     engram-1   the same app with serving.ingress.num_replicas 1
+    ray-ingress  the same engram app (coordinator, one group, its engine and member router)
+               with Ray Serve LLM's own ingress in place of engram-ray's, made as
+               build_openai_app makes it (`OpenAiIngress`, one replica, num_cpus 0): the
+               engines are the same, so engram-1 against it is the ingress's cost alone
     plain      build_openai_app of the engram engine's own LLMConfig (`engram_ray.serve.app.
                llm_config`: engine kwargs with eager mode and no prefix caching, the bundle,
                health checks, max_ongoing_requests) less its engram settings; its ingress as
@@ -34,9 +38,11 @@ the same start (a fresh engine, the same warm-up) in one Ray instance, and round
 the cases (A B C A B C) so that drift of a shared machine falls on all of them.
 
 Figures are end to end: Serve's proxy, the ingress, the engine replica and the engine, with the
-clients on the same cores. The engines differ in where the Engram table lives (the engram
-engine: a peer-group slice in shared memory, its lookups timed for its metrics; the plain one:
-whole in the engine process, filled by vLLM's weight loading).
+clients on the same cores. The engines of `plain` and the others differ in where the Engram
+table lives (the engram engine: a peer-group slice in shared memory, its lookups timed for its
+metrics; the plain one: whole in the engine process, filled by vLLM's weight loading), so two
+comparisons are reported: each engram case against `ray-ingress` (the same engine and router
+behind either ingress: the ingress's cost) and against `plain` (the whole stack).
 
 Writes `benchmarks/results/ingress/latest.md` and a line of its `history.jsonl` (`--results
 DIR` elsewhere); `--quick` (one short round) only prints its table: a smoke run, not a result.
@@ -56,9 +62,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import add_results_argument, environment, write_results  # noqa: E402
 
-CASES = ("engram-2", "engram-1", "plain")
+CASES = ("engram-2", "engram-1", "ray-ingress", "plain")
 ENGRAM_INGRESS_REPLICAS = {"engram-2": None, "engram-1": 1}  # None: the config's default
-PLAIN_APP = "plain"
+RAY_INGRESS, PLAIN_APP = "ray-ingress", "plain"
+BASELINES = (RAY_INGRESS, PLAIN_APP)  # what the engram cases are compared with
 MIN_RPS_RATIO, MAX_P50_RATIO = 0.90, 1.05  # issue 28's targets
 KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (chat, stream)
          for chat in (False, True) for stream in (False, True)}
@@ -84,12 +91,39 @@ def plain_app(deployment):
                              "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
 
 
+def ray_ingress(config, engines: dict, deployment_name: str):
+    """In place of `engram_ray.serve.app._ingress`: Ray Serve LLM's `OpenAiIngress` over the
+    group's deployment, with the options `build_openai_app` gives it (as in `plain_app`)."""
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.builder import (
+        maybe_apply_llm_deployment_config_defaults)
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress, make_fastapi_ingress
+
+    options = maybe_apply_llm_deployment_config_defaults(
+        OpenAiIngress.get_deployment_options([config]), {"ray_actor_options": {"num_cpus": 0}})
+    return serve.deployment(make_fastapi_ingress(OpenAiIngress), **options).bind(
+        llm_deployments={config.model_id: next(iter(engines.values()))},
+        model_cards={config.model_id: to_model_metadata(config.model_id, config)},
+        lora_paths={})
+
+
 def deploy(deployment, case: str) -> float:
     """Deploy `case` alone (the previous one deleted); seconds until it answers."""
+    from unittest import mock
+
     from ray.serve.api import _run
 
     from engram_ray.local.deployment import log
+    from engram_ray.serve import app
 
+    if case == RAY_INGRESS:
+        deployment.args["serving"].pop("ingress", None)
+        log(f"deploying {case}: the engram app with Ray Serve LLM's OpenAiIngress")
+        with mock.patch.object(app, "_ingress", ray_ingress):  # the build is in this process
+            deployment.redeploy({})
+        return wait_running(deployment.app_name, deployment.url,
+                            deployment.options.startup_timeout_s)
     if case in ENGRAM_INGRESS_REPLICAS:
         deployment.args["serving"].pop("ingress", None)  # back to the config's default
         replicas = ENGRAM_INGRESS_REPLICAS[case]
@@ -262,11 +296,10 @@ def run(args) -> dict:
     pooled = {case: figures(windows[case], sum(r["window_s"] for r in runs
                                                 if r["case"] == case), args.concurrency)
               for case in CASES}
-    per_round = {case: [ratios(r, p) for r, p in zip(
-        [r for r in runs if r["case"] == case], [r for r in runs if r["case"] == PLAIN_APP])]
-        for case in ENGRAM_INGRESS_REPLICAS}
-    comparison = {case: {**ratios(pooled[case], pooled[PLAIN_APP]), "per_round": per_round[case]}
-                  for case in ENGRAM_INGRESS_REPLICAS}
+    comparison = {base: {case: {**ratios(pooled[case], pooled[base]), "per_round": [
+        ratios(r, b) for r, b in zip([r for r in runs if r["case"] == case],
+                                     [r for r in runs if r["case"] == base])]}
+        for case in ENGRAM_INGRESS_REPLICAS} for base in BASELINES}
     return {**{k: env[k] for k in ("date", "commit", "worktree_clean", "device")},
             "concurrency": args.concurrency, "max_tokens": args.max_tokens,
             "warmup_s": args.warmup_s, "duration_s": args.duration_s, "rounds": args.rounds,
@@ -293,15 +326,18 @@ def markdown(result: dict) -> str:
         lines.append(f"| {case} | {c['answered']} | {c['failed']} | {c['rps']} | {c['p50_ms']} "
                      f"| {c['p99_ms']} | {c['ttft_p50_ms_streamed']} | "
                      + " | ".join(str(c[f"p50_ms_{kind}"]) for kind in KINDS) + " |")
-    lines += ["", f"Against `plain` (all rounds together; target: req/s ratio >= "
-              f"{MIN_RPS_RATIO}, p50 ratio <= {MAX_P50_RATIO}, no failed request):", "",
-              "| case | req/s ratio | p50 ratio | met | per round: req/s ratio | "
-              "per round: p50 ratio |", "|" + " --- |" * 6]
-    for case, c in result["comparison"].items():
-        lines.append(f"| {case} | {c['rps_ratio']} | {c['p50_ratio']} | "
-                     f"{'yes' if c['met'] else 'no'} | "
-                     f"{', '.join(str(r['rps_ratio']) for r in c['per_round'])} | "
-                     f"{', '.join(str(r['p50_ratio']) for r in c['per_round'])} |")
+    what = {RAY_INGRESS: "the same engine and router behind Ray Serve LLM's ingress: the "
+                         "ingress's cost", PLAIN_APP: "build_openai_app: the whole stack"}
+    for base, comparison in result["comparison"].items():
+        lines += ["", f"Against `{base}` ({what[base]}; all rounds together; target: req/s "
+                  f"ratio >= {MIN_RPS_RATIO}, p50 ratio <= {MAX_P50_RATIO}, no failed "
+                  "request):", "", "| case | req/s ratio | p50 ratio | met | per round: req/s "
+                  "ratio | per round: p50 ratio |", "|" + " --- |" * 6]
+        for case, c in comparison.items():
+            lines.append(f"| {case} | {c['rps_ratio']} | {c['p50_ratio']} | "
+                         f"{'yes' if c['met'] else 'no'} | "
+                         f"{', '.join(str(r['rps_ratio']) for r in c['per_round'])} | "
+                         f"{', '.join(str(r['p50_ratio']) for r in c['per_round'])} |")
     lines += ["", "Each run:", "", "| round | case | replicas running | ready (s) | answered | "
               "failed | req/s | p50 | p99 | host load 1m before |", "|" + " --- |" * 10]
     for r in result["runs"]:

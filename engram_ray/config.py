@@ -172,6 +172,10 @@ class DeploymentConfig(Section):
     placement_timeout_s: Seconds = Field(120.0, description=(
         "seconds the application's build waits for every peer group to have room in one NVLink "
         "domain before failing with what is missing"))
+    replace_lost_group_after_s: Seconds | None = Field(30.0, description=(
+        "seconds a group's NVLink domain may be lost (its nodes dead or gone) before the group "
+        "is placed again in another domain with room (only its own deployment restarts; "
+        "`serve deploy` applications); null: a group waits for its domain"))
     health_check_interval_s: Seconds = Field(1.0, description=(
         "seconds between Serve's health checks of each engine"))
     max_missed_pings: Count = Field(5, description=(

@@ -83,22 +83,43 @@ def domains_of(nodes: list[NodeSlots], label_key: str, *,
     return sorted(domains, key=lambda d: d.domain_id)
 
 
-def place_groups(domains: list[Domain], peer_group_size: int,
-                 num_groups: int) -> tuple[list[PeerGroupPlan], int]:
+def place_groups(domains: list[Domain], peer_group_size: int, num_groups: int,
+                 keep: dict[str, str] | None = None) -> tuple[list[PeerGroupPlan], int]:
     """`num_groups` groups `group-0..` put in the domains one per domain in turn (in domain
     order, skipping a domain once it has no room for another), so groups land in separate
-    failure domains while there are more domains than groups. Returns (placed groups, number
+    failure domains while there are more domains than groups. `keep` (group id -> domain id:
+    where the groups run now) first: a group stays in its domain while that has room for it,
+    so a redeploy moves no group that need not move. Returns (placed groups by index, number
     that fit nowhere)."""
     room = {d.domain_id: 0 if d.is_isolated and peer_group_size > 1
             else d.num_slots // peer_group_size for d in domains}
-    placed: list[PeerGroupPlan] = []
-    while len(placed) < num_groups and any(room.values()):
+    by_id = {d.domain_id: d for d in domains}
+    placed: dict[int, Domain] = {}
+    for index in range(num_groups):
+        kept = (keep or {}).get(f"group-{index}")
+        if room.get(kept):
+            room[kept] -= 1
+            placed[index] = by_id[kept]
+    waiting = [i for i in range(num_groups) if i not in placed]
+    while waiting and any(room.values()):
         for domain in domains:
-            if room[domain.domain_id] and len(placed) < num_groups:
+            if room[domain.domain_id] and waiting:
                 room[domain.domain_id] -= 1
-                placed.append(PeerGroupPlan(f"group-{len(placed)}", domain, len(placed),
-                                            peer_group_size))
-    return placed, num_groups - len(placed)
+                placed[waiting.pop(0)] = domain
+    groups = [PeerGroupPlan(f"group-{i}", placed[i], i, peer_group_size) for i in sorted(placed)]
+    return groups, num_groups - len(groups)
+
+
+def replacement_domain(domains: list[Domain], peer_group_size: int,
+                       holding_groups: set[str]) -> Domain | None:
+    """Where a group whose domain was lost goes: a domain with `peer_group_size` free slots
+    (`num_slots`: not held by any gang), one holding no group first (groups in separate
+    failure domains), then the one with the most free slots; None when none has room."""
+    fits = [d for d in domains if d.num_slots >= peer_group_size
+            and not (d.is_isolated and peer_group_size > 1)]
+    if not fits:
+        return None
+    return min(fits, key=lambda d: (d.domain_id in holding_groups, -d.num_slots, d.domain_id))
 
 
 def domain_summary(domains: list[Domain] | tuple[Domain, ...], what: str = "GPU") -> str:

@@ -105,7 +105,9 @@ def build_engram_app(args: dict, server_cls=None):
     records where it runs; Serve's builders take exactly one argument)."""
     from ray.serve.llm import build_llm_deployment
 
+    from engram_ray.actors.coordinator import coordinator_name
     from engram_ray.actors.coordinator_lookup import get_coordinator
+    from engram_ray.actors.lifetime import saved_settings
     from engram_ray.actors.placement import gang_options, plan_groups
     from engram_ray.serve.config import check_engine_kwargs, check_llm_options
 
@@ -114,7 +116,10 @@ def build_engram_app(args: dict, server_cls=None):
     check_llm_options(app.serving)
     dep = app.deployment
     server_cls = server_cls or server_class(app)
-    groups = plan_groups(dep, app.serving.num_peer_groups)
+    # Groups stay where they run (a rebuild of a serving application, a group placed again
+    # after its domain was lost: the coordinator's saved domains).
+    kept = saved_settings(coordinator_name(dep.name))
+    groups = plan_groups(dep, app.serving.num_peer_groups, keep=kept and kept["domains"])
     get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name)
     configs = [llm_config(app, g) for g in groups]
     from engram_ray.serve.member_router import ROUTER_PATH

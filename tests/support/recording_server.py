@@ -33,6 +33,7 @@ class _Recording:
                   "node_id": ray.get_runtime_context().get_node_id(),
                   "node_labels": ray.get_runtime_context().get_node_labels(),
                   "pid": os.getpid()}
+        self._node_id = record["node_id"]  # a member's rejoin after a coordinator restart
         folder = records_dir(self._app.deployment.peer_group_store)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"{self._replica_id}.json"), "w") as f:
@@ -54,3 +55,12 @@ class RecordingServer(_Recording, EngramLLMServer):
 
 class RecordingDPServer(_Recording, EngramDPServer):
     pass
+
+
+def build_recording_app(args: dict):
+    """`import_path` of a `serve deploy` (declarative) of recording engines; the test puts
+    tests/ on the application's PYTHONPATH (`runtime_env.env_vars`)."""
+    from engram_ray.serve.app import build_engram_app
+
+    dp = args.get("serving", {}).get("data_parallel_size", 1)
+    return build_engram_app(args, RecordingDPServer if dp > 1 else RecordingServer)

@@ -3,7 +3,8 @@
 the real Serve application of `engram_ray.serve.app.build_app` with engines that only record where
 they run (tests/support/recording_server.py). Checks every member's node labels, DEP gangs
 nested in groups, an infeasible group reported in one line within placement_timeout_s (in the
-Serve application's status too), and a group restarted as one while the other keeps running.
+Serve application's status too), a group restarted as one while the other keeps running, and
+the same group placed again in the other domain once every node of its own is killed.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def cluster():
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    # A node killed outright is taken for dead after 3 missed 1 s health checks (Ray: 5 x 3 s).
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-    for domain, nodes in DOMAINS.items():
-        for node in nodes:
-            cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1",
-                             labels={KEY: domain, "test/node": node})
+        "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+    cluster.domain_nodes = {domain: [_add_node(cluster, domain, node) for node in nodes]
+                            for domain, nodes in DOMAINS.items()}
     ray.init(address=cluster.address, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(recording_server)  # workers cannot import tests/
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
@@ -46,6 +47,11 @@ def cluster():
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
+
+
+def _add_node(cluster, domain: str, node: str):
+    return cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1",
+                            labels={KEY: domain, "test/node": node})
 
 
 def _args(tmp_path, name: str, peer_group_size: int, num_groups: int, dp: int = 1,
@@ -193,40 +199,6 @@ def test_a_group_that_fits_no_domain_fails_the_deploy_in_one_line(cluster, tmp_p
     serve.delete("infeasible")
 
 
-def test_a_dead_member_restarts_its_whole_group_and_the_other_keeps_running(cluster,
-                                                                             tmp_path):
-    args = _args(tmp_path, "placement", 2, 2)
-    try:
-        before = _by_group(_deploy(tmp_path, args))
-        victim = before["group-0"][1]
-        actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                     if victim["replica_id"] in a["name"])
-        killed_at = time.monotonic()
-        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-        deadline = killed_at + 120
-        while time.monotonic() < deadline:
-            after = _by_group(_records(tmp_path))
-            new = [m for m in after["group-0"] if m["gang_id"] != victim["gang_id"]]
-            if len(new) == 2:
-                break
-            time.sleep(0.5)
-        assert len(new) == 2, after
-        while time.monotonic() < deadline and not _all_healthy("placement"):
-            time.sleep(0.5)
-        restarted_s = time.monotonic() - killed_at
-        assert {m["generation_index"] for m in new} == {2}
-        assert len({m["generation"] for m in new}) == 1
-        assert {m["replica_id"] for m in new}.isdisjoint(m["replica_id"] for m in before["group-0"])
-        old_pids = [m["pid"] for m in before["group-0"]]
-        assert not any(_alive(pid) for pid in old_pids)  # the survivor stopped with its gang
-        others = [m for m in after["group-1"]]
-        assert others == before["group-1"]  # the other group was not touched
-        assert _all_healthy("placement"), "group deployments not all HEALTHY after the restart"
-        print(f"group-0 restarted as one and healthy {restarted_s:.1f} s after the kill")
-    finally:
-        _shutdown_app()
-
-
 def _all_healthy(app_name: str) -> bool:
     from ray import serve
 
@@ -240,3 +212,100 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+
+
+def test_a_dead_member_restarts_its_group_and_a_lost_domain_moves_it_the_other_untouched(
+        cluster, tmp_path):
+    """`serve deploy` of two groups of 2 (group-0 in dom-a, group-1 in dom-b, 2 slots free in
+    each). A member killed: group-0 restarts as one (new gang, new generation, the survivor's
+    process gone). Then both nodes of dom-a killed outright (raylets and workers): after
+    replace_lost_group_after_s, group-0's deployment alone is pointed at dom-b and its new
+    gang serves there as a new generation. group-1's members are never touched. dom-a's nodes
+    come back afterwards (for the tests after this one)."""
+    from engram_ray.actors.coordinator_lookup import find_coordinator
+
+    name = "placement"
+    args = _args(tmp_path, name, 2, 2)
+    args["deployment"]["replace_lost_group_after_s"] = 3
+    try:
+        before = _check_inside_domains(_serve_deploy(tmp_path, name, args), 2, 2)
+        assert [before[g][0]["domain_id"] for g in ("group-0", "group-1")] == ["dom-a", "dom-b"]
+        restarted = _kill_a_member_of_group_0(tmp_path, name, before)
+        moved = _kill_the_domain_of_group_0(cluster, tmp_path, name, before["group-0"] + restarted)
+        assert len({m["generation"] for m in moved + restarted + before["group-0"]}) == 3
+        assert _by_group(_records(tmp_path))["group-1"] == before["group-1"]
+        assert all(_alive(m["pid"]) for m in before["group-1"])
+        coordinator = find_coordinator(name)
+        assert ray.get(coordinator.status.remote())["group-0"]["domain"] == "dom-b"
+        routing = ray.get(coordinator.routing.remote())[1]
+        assert routing["group-0"]["serving"] and routing["group-1"]["serving"], routing
+    finally:
+        if not cluster.domain_nodes["dom-a"]:
+            cluster.domain_nodes["dom-a"] = [_add_node(cluster, "dom-a", node)
+                                             for node in DOMAINS["dom-a"]]
+        _shutdown_app(name)
+
+
+def _serve_deploy(tmp_path, name: str, args: dict) -> list[dict]:
+    """`serve deploy` (declarative) of the recording engines; their records once it runs.
+    tests/ goes on the application's PYTHONPATH (workers cannot import it otherwise)."""
+    from ray import serve
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    tests_dir = str(Path(__file__).resolve().parents[2])
+    serve_start().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+        "name": name, "route_prefix": f"/{name}",
+        "import_path": "support.recording_server:build_recording_app", "args": args,
+        "runtime_env": {"env_vars": {"PYTHONPATH": f"{tests_dir}:${{PYTHONPATH}}"}}}]}))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == "RUNNING":
+            return _records(tmp_path)
+        assert app is None or app.status != "DEPLOY_FAILED", app.message
+        time.sleep(1)
+    raise AssertionError(f"{name} not running after 300 s: {serve.status().applications}")
+
+
+def _kill_a_member_of_group_0(tmp_path, name: str, before: dict) -> list[dict]:
+    """Kill member 1 of group-0: the whole group restarts (its new members returned)."""
+    victim = before["group-0"][1]
+    actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if victim["replica_id"] in a["name"])
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    new = _new_gang_of_group_0(tmp_path, name, before["group-0"], killed_at + 120)
+    print(f"group-0 restarted as one and healthy {time.monotonic() - killed_at:.1f} s after "
+          "the kill")
+    assert {m["generation_index"] for m in new} == {2}
+    assert {m["replica_id"] for m in new}.isdisjoint(m["replica_id"] for m in before["group-0"])
+    assert not any(_alive(m["pid"]) for m in before["group-0"])  # the survivor stopped too
+    return new
+
+
+def _kill_the_domain_of_group_0(cluster, tmp_path, name: str, earlier: list[dict]) -> list:
+    """Kill every node of dom-a (group-0's domain): group-0 serves again in dom-b."""
+    killed_at = time.monotonic()
+    for node in cluster.domain_nodes["dom-a"]:
+        cluster.remove_node(node, allow_graceful=False)
+    cluster.domain_nodes["dom-a"] = []
+    moved = _new_gang_of_group_0(tmp_path, name, earlier, killed_at + 180)
+    print(f"group-0 serving again in dom-b {time.monotonic() - killed_at:.1f} s after dom-a's "
+          "nodes were killed")
+    assert {m["node_labels"][KEY] for m in moved} == {"dom-b"} == {m["domain_id"] for m in moved}
+    return moved
+
+
+def _new_gang_of_group_0(tmp_path, name: str, earlier: list[dict], deadline: float) -> list:
+    """The two members of group-0's gang that is none of `earlier`'s, once Serve has every
+    deployment of `name` HEALTHY (AssertionError at `deadline`)."""
+    old_gangs = {m["gang_id"] for m in earlier}
+    new: list[dict] = []
+    while time.monotonic() < deadline:
+        new = [m for m in _by_group(_records(tmp_path))["group-0"]
+               if m["gang_id"] not in old_gangs]
+        if len(new) == 2 and len({m["gang_id"] for m in new}) == 1 and _all_healthy(name):
+            return new
+        time.sleep(0.5)
+    raise AssertionError(f"group-0 has no new serving gang: {new}")

@@ -11,7 +11,8 @@ from engram_ray.model.layout import EngramLayout
 from engram_ray.planning.assignment import (MAX_GENERATION_CHARS, create_store_dir, generation_id,
                                             generation_store_dir, remove_store_dir, slices_of)
 from engram_ray.planning.grouping import (NODE_ID_LABEL_KEY, NodeSlots, domain_summary, domains_of,
-                                          place_groups)
+                                          place_groups, replacement_domain)
+from engram_ray.planning.lost_domains import LostDomainWatch
 from engram_ray.planning.memory import rows_per_rank
 
 KEY = "engram.io/nvlink-domain"
@@ -44,6 +45,55 @@ def test_groups_of_four_fit_only_the_domain_of_four():
     assert _place(CLUSTER, 4, 1) == ([("group-0", "A")], 0)
     assert _place(CLUSTER, 4, 2) == ([("group-0", "A")], 1)
     assert _place(CLUSTER, 8, 1) == ([], 1)
+
+
+def test_a_rebuild_keeps_groups_where_they_run_while_there_is_room():
+    """`keep`: group-0 was placed again in B after A was lost; A is back, B has its gang
+    (own gangs count as free in a rebuild): nothing moves back; a kept domain too full for
+    its group lets it go where the others would."""
+    domains = domains_of(CLUSTER, KEY)
+    placed, missing = place_groups(domains, 2, 2, keep={"group-0": "B", "group-1": "A"})
+    assert [(g.group_id, g.domain.domain_id, g.index) for g in placed] == [
+        ("group-0", "B", 0), ("group-1", "A", 1)] and missing == 0
+    placed, _ = place_groups(domains, 4, 2, keep={"group-0": "B"})  # B has 2 slots, not 4
+    assert [(g.group_id, g.domain.domain_id) for g in placed] == [("group-0", "A")]
+    placed, missing = place_groups(domains, 2, 3, keep={"group-1": "A", "gone": "B"})
+    assert [(g.group_id, g.domain.domain_id) for g in placed] == [
+        ("group-0", "A"), ("group-1", "A"), ("group-2", "B")] and missing == 0
+
+
+def test_a_lost_group_goes_to_a_free_domain_holding_no_group_first():
+    nodes = [NodeSlots("a1", "A", 2, 2), NodeSlots("b1", "B", 4, 4), NodeSlots("c1", "C", 2, 2),
+             NodeSlots("d1", "D", 1, 2)]
+    domains = domains_of(nodes, KEY)
+    assert replacement_domain(domains, 2, holding_groups=set()).domain_id == "B"  # most free
+    assert replacement_domain(domains, 2, holding_groups={"B"}).domain_id == "A"
+    assert replacement_domain(domains, 2, holding_groups={"A", "B", "C"}).domain_id == "B"
+    assert replacement_domain(domains, 8, holding_groups=set()) is None
+    isolated = domains_of([NodeSlots("n1", None, 4, 4)], KEY)
+    assert replacement_domain(isolated, 2, set()) is None
+    assert replacement_domain(isolated, 1, set()).selector == {NODE_ID_LABEL_KEY: "n1"}
+
+
+def test_a_group_is_due_after_its_domain_is_lost_for_the_grace_time():
+    domains = domains_of(CLUSTER, KEY)
+    on_a, on_b, on_gone = {KEY: "A"}, {KEY: "B"}, {KEY: "Z"}
+    watch = LostDomainWatch(grace_s=10)
+    selectors = {"group-0": on_gone, "group-1": on_b}
+    assert watch.due(selectors, domains, 2, now=100) == []
+    assert watch.due(selectors, domains, 2, now=109.9) == []
+    assert watch.due(selectors, domains, 2, now=110) == ["group-0"]
+    watch.placed("group-0", now=110)  # Serve still shows the old selector for a moment
+    assert watch.due(selectors, domains, 2, now=115) == []
+    assert watch.due({"group-0": on_a, "group-1": on_b}, domains, 2, now=116) == []
+    assert watch.lost_since == {}
+    # A domain too small for the group now (a node of it gone) counts as lost; back: not due.
+    shrunk = domains_of([NodeSlots("a1", "A", 2, 2)], KEY)
+    assert watch.due({"group-0": on_a}, shrunk, 4, now=200) == []
+    assert watch.due({"group-0": on_a}, domains, 4, now=205) == []
+    assert watch.due({"group-0": on_a}, shrunk, 4, now=300) == []
+    assert watch.due({"group-0": on_a}, shrunk, 4, now=310) == ["group-0"]
+    assert watch.due({}, shrunk, 4, now=311) == [] and watch.lost_since == {}
 
 
 def test_unlabelled_and_none_nodes_are_isolated():
