@@ -92,9 +92,13 @@ class Coordinator:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
+        # Imported here, before the threads start: both use Ray Serve, and two threads
+        # importing it at once see it half-initialized (`engram_ray.serve.group_placement`).
+        from engram_ray.serve.group_placement import CapacityFollower
+
         threading.Thread(target=self._watch_members, daemon=True,
                          name="engram-member-watch").start()
-        threading.Thread(target=self._follow_capacity, daemon=True,
+        threading.Thread(target=self._follow_capacity, args=(CapacityFollower(),), daemon=True,
                          name="engram-capacity-watch").start()
         self.sd_server = None
         if config.serving.http_sd_port:
@@ -275,7 +279,13 @@ class Coordinator:
             time.sleep(WATCH_PERIOD_S)
             if time.monotonic() - app_checked_at >= APP_CHECK_S:
                 app_checked_at = time.monotonic()
-                if application.gone():
+                try:
+                    gone = application.gone()
+                except Exception:  # noqa: BLE001 - this watch must outlive any one failure
+                    logger.exception("engram-ray: asking Serve whether %s's application is "
+                                     "there failed; asking again", self.deployment_name)
+                    gone = False
+                if gone:
                     self._end_with_application()
             with self._lock:
                 watched = dict(self._actors)
@@ -296,13 +306,13 @@ class Coordinator:
                             self._break_locked(replica_id, "replica actor lost "
                                                            f"({type(exc).__name__})")
 
-    def _follow_capacity(self) -> None:
-        """A group whose domain is lost is placed again in one with room
-        (`engram_ray.serve.group_placement`); its new domain is kept here and in the saved
-        settings, so a restart or the next build keeps it there."""
-        from engram_ray.serve.group_placement import CHECK_PERIOD_S, CapacityFollower
+    def _follow_capacity(self, follower) -> None:
+        """A group whose domain is lost is placed again in one with room (`follower`:
+        `engram_ray.serve.group_placement.CapacityFollower`); its new domain is kept here and in
+        the saved settings, so a restart or the next build keeps it there."""
+        from engram_ray.serve.group_placement import CHECK_PERIOD_S
 
-        follower, last_error = CapacityFollower(), None
+        last_error = None
         while True:
             time.sleep(CHECK_PERIOD_S)
             try:

@@ -25,6 +25,13 @@ import logging
 import time
 from dataclasses import replace
 
+# NOTES: Ray Serve imported here, at module level: the coordinator imports this module before
+# it starts its threads; two threads importing ray.serve at once see it half-initialized
+# (ImportError, measured: it ended the member watch of a coordinator).
+from ray import serve
+from ray.serve.context import _get_global_client
+
+from engram_ray.actors.placement import discover_domains
 from engram_ray.config import DeploymentConfig
 from engram_ray.planning.grouping import Domain, domain_summary, replacement_domain
 from engram_ray.planning.lost_domains import LostDomainWatch
@@ -37,8 +44,6 @@ DOMAIN_ENV = "ENGRAM_RAY_DOMAIN"  # set on the engines of a group placed again: 
 def group_deployments(deployment_name: str) -> tuple[str, dict[str, str]] | None:
     """(Serve application name, {group id: its deployment's name}) of the application whose
     engine deployments are `<class>:<deployment_name>:group-<i>`; None when there is none."""
-    from ray import serve
-
     marker = f":{deployment_name}:group-"
     for app_name, app in serve.status().applications.items():
         names = {name.rsplit(":", 1)[1]: name for name in app.deployments if marker in name}
@@ -106,10 +111,6 @@ class CapacityFollower:
 
     def check(self, config: DeploymentConfig) -> dict[str, str]:
         """{group id: new domain id} of the groups moved now."""
-        from ray.serve.context import _get_global_client
-
-        from engram_ray.actors.placement import discover_domains
-
         grace_s = config.replace_lost_group_after_s
         if grace_s is None:
             return {}
