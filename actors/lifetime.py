@@ -43,6 +43,8 @@ def application_present(deployment_name: str) -> bool | None:
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
+    from engram_ray.actors.placement import engine_deployment_marker
+
     try:
         applications = serve.status().applications
     except Exception:  # noqa: BLE001 - no answer: Serve shut down, or its controller restarts
@@ -51,7 +53,7 @@ def application_present(deployment_name: str) -> bool | None:
         except ValueError:  # `serve shutdown`: no controller, no application
             return False
         return None
-    marker = f":{deployment_name}:group-"
+    marker = engine_deployment_marker(deployment_name)
     return any(getattr(app.status, "value", app.status) != "DELETING"
                and any(marker in name for name in app.deployments)
                for app in applications.values())

@@ -37,12 +37,18 @@ def _free_resources_per_node() -> dict[str, dict]:
         return {}
 
 
+def engine_deployment_marker(deployment_name: str) -> str:
+    """In the name of every engine deployment (and of its gangs' placement groups) of
+    `deployment_name`: `<class>:<deployment name>:group-<i>` (`engram_ray.serve.app`)."""
+    return f":{deployment_name}:group-"
+
+
 def own_reservations(config: DeploymentConfig, resource: str) -> dict[str, float]:
     """`resource` per node held by the gangs of this deployment's engines (a redeploy of a
     running application may plan with them: Serve replaces those gangs)."""
     from ray.serve._private.common import GANG_PG_NAME_PREFIX
 
-    marker = f":{config.name}:group-"  # in every engine deployment's name (engram_ray.serve.app)
+    marker = engine_deployment_marker(config.name)
     held: dict[str, float] = {}
     for pg in ray.util.placement_group_table().values():
         if pg.get("state") != "CREATED" or not pg.get("name", "").startswith(GANG_PG_NAME_PREFIX) \

@@ -31,7 +31,7 @@ from dataclasses import replace
 from ray import serve
 from ray.serve.context import _get_global_client
 
-from engram_ray.actors.placement import discover_domains
+from engram_ray.actors.placement import discover_domains, engine_deployment_marker
 from engram_ray.config import DeploymentConfig
 from engram_ray.planning.grouping import Domain, domain_summary, replacement_domain
 from engram_ray.planning.lost_domains import LostDomainWatch
@@ -44,7 +44,7 @@ DOMAIN_ENV = "ENGRAM_RAY_DOMAIN"  # set on the engines of a group placed again: 
 def group_deployments(deployment_name: str) -> tuple[str, dict[str, str]] | None:
     """(Serve application name, {group id: its deployment's name}) of the application whose
     engine deployments are `<class>:<deployment_name>:group-<i>`; None when there is none."""
-    marker = f":{deployment_name}:group-"
+    marker = engine_deployment_marker(deployment_name)
     for app_name, app in serve.status().applications.items():
         names = {name.rsplit(":", 1)[1]: name for name in app.deployments if marker in name}
         if names:
