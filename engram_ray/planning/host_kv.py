@@ -14,6 +14,7 @@ vLLM 0.32/0.33 `config/cache.py` (`CacheConfig.kv_offloading_size`) and turned i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engram_ray.errors import ConfigError
@@ -90,6 +91,29 @@ def freed_host_kv_budget(model: str, peer_group_size: int, dp_size: int,
     peer = make_plan(layout, "peer", peer_group_size=peer_group_size)
     host = make_plan(layout, "host", host_mode="dp-split", dp_size=min(dp_size, layout.n_heads))
     return host_kv_budget(peer, host, reserve_gib)
+
+
+def offloading_gib(requested: float | str, model: str, peer_group_size: int, dp_size: int,
+                   reserve_gib: float, tables_on_host: str | None = None) -> float:
+    """vLLM's `kv_offloading_size` (GiB per engine) for `serving.host_kv_cache_gib` =
+    `requested` (GiB, or 'auto': all of `freed_host_kv_budget` less `reserve_gib`, rounded down
+    to 0.01 GiB). Refused naming the setting when the tables stay in host memory
+    (`tables_on_host` says why) or when more is asked than the split frees."""
+    shown = repr(requested) if requested == "auto" else f"{requested:g}"
+    if tables_on_host:
+        raise ConfigError("serving.host_kv_cache_gib", f"is {shown} while {tables_on_host}: "
+                          "the tables are in host memory, so the split frees none",
+                          "unset, or tables in HBM (table_backend 'cuda', cpu_offload false)")
+    budget = freed_host_kv_budget(model, peer_group_size, dp_size, reserve_gib)
+    available = budget.cache_bytes_per_gpu / GIB
+    told = (f"{budget.freed_bytes_per_gpu / GIB:.2f} GiB freed per GPU - "
+            f"{reserve_gib:g} GiB host_kv_reserve_gib = {available:.2f} GiB")
+    if available <= 0 or (requested != "auto" and requested > available):
+        raise ConfigError("serving.host_kv_cache_gib", f"is {shown}, more than the {told}",
+                          f"'auto' or at most {available:.2f} (a lower host_kv_reserve_gib "
+                          "leaves more)" if available > 0 else
+                          "unset: this split frees no host memory beyond the reserve")
+    return math.floor(available * 100) / 100 if requested == "auto" else float(requested)
 
 
 def kv_bytes_per_token(config: dict, source: str = "config") -> KVTokenBytes | None:

@@ -109,7 +109,7 @@ def build_engram_app(args: dict, server_cls=None):
     from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.actors.lifetime import saved_settings
     from engram_ray.actors.placement import gang_options, plan_groups
-    from engram_ray.serve.config import check_engine_kwargs, check_llm_options
+    from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
 
     app = ServeAppConfig.from_dict(args, "build_app args")
     check_engine_kwargs(engine_kwargs(app))  # a typo fails here, not in every engine

@@ -37,7 +37,7 @@ def check_serve_config(data: dict, source: str) -> dict[str, ServeAppConfig]:
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
-    from engram_ray.serve.config import check_engine_kwargs, check_llm_options
+    from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
 
     try:
         schema = ServeDeploySchema.model_validate(data)

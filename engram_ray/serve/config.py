@@ -10,10 +10,6 @@ the JSON schema from `engram-ray config schema`; `ServeAppConfig` checks that th
 agree (CPU engines need the shm backend, a peer group holds whole data-parallel replicas, ...).
 """
 
-# Over 300 lines: the schema of every Serve-app option, each field with its default and the
-# description the README's reference table is checked against, and the checks across them.
-
-import math
 from typing import Annotated, ClassVar, Literal
 
 from annotated_types import Gt
@@ -22,92 +18,12 @@ from pydantic import Field
 from engram_ray.config import Amount, Count, DeploymentConfig, Port, Seconds, Section, Text
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.exposition import NODE_ADDRESS
-from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG
+from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG, offloading_gib
+from engram_ray.serve.library_options import refuse_owned_options
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_INGRESS_REPLICAS = 2
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
-# vLLM arguments with a serving field of their own: in engine_kwargs they would override it
-# after its checks (engine_kwargs are applied last), e.g. TP=2 past "must be 1".
-OWN_ENGINE_ARGS = {key: f"serving.{key} (checked there; engine_kwargs would override it "
-                        "unchecked)" for key in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                 "data_parallel_size", "enable_expert_parallel",
-                                                 "max_model_len")}
-
-# LLMConfig options engram_ray.serve.app sets itself: where to write each instead.
-APP_LLM_CONFIG = {
-    "model_loading_config": "serving.model_id and serving.model_source",
-    "engine_kwargs": "serving.engine_kwargs",
-    "deployment_config": "serving.deployment_options (and deployment.health_check_*)",
-    "placement_group_config": "deployment.num_gpus_per_engine / num_cpus_per_engine",
-    "experimental_configs": "nothing: it carries the app's own settings to the engines",
-    "server_cls": "nothing: the engram-ray engine class is the replica",
-    "llm_engine": "nothing: the engines are vLLM's"}
-# Serve deployment options each peer group's gang owns (engram_ray.serve.app, actors/placement.py).
-GROUP_DEPLOYMENT_OPTIONS = {
-    **{key: "serving.num_peer_groups and deployment.peer_group_size (one gang per group)"
-       for key in ("num_replicas", "autoscaling_config", "gang_scheduling_config")},
-    "max_surge_percent": "serving.rollout.mode",
-    **{key: "nothing: each group's bundles are placed in its NVLink domain"
-       for key in ("placement_group_bundles", "placement_group_strategy",
-                   "placement_group_bundle_label_selector", "ray_actor_options",
-                   "max_replicas_per_node")},
-    "health_check_period_s": "deployment.health_check_interval_s",
-    "health_check_timeout_s": "deployment.max_missed_pings",
-    "request_router_config": "nothing: requests go to the members that serve "
-                             "(engram_ray.serve.member_router)",
-    "name": "deployment.name"}
-
-
-def _nearest(name: str, valid) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
-    return f"`{close[0]}`" if close else "a vLLM engine argument"
-
-
-def check_engine_kwargs(kwargs: dict) -> None:
-    """Every key of `kwargs` is a vLLM engine argument (`AsyncEngineArgs`) or an OpenAI
-    frontend argument (`FrontendArgs`), the two sets Ray Serve LLM splits engine_kwargs into;
-    else a ConfigError naming the key and the nearest valid name. Skipped with a warning where
-    vLLM cannot be imported (there, each engine would fail on it at start)."""
-    import dataclasses
-    import logging
-
-    try:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.launchers.cli_args import FrontendArgs
-    except Exception as exc:  # noqa: BLE001 (no vLLM, or one of another layout)
-        logging.getLogger(__name__).warning(
-            "serving.engine_kwargs not checked: vLLM's argument names cannot be imported "
-            "(%s: %s)", type(exc).__name__, exc)
-        return
-    valid = {f.name for cls in (AsyncEngineArgs, FrontendArgs)
-             for f in dataclasses.fields(cls)}
-    for key in kwargs:
-        if key not in valid:
-            raise ConfigError(f"serving.engine_kwargs.{key}", "is not a vLLM engine argument",
-                              _nearest(key, valid))
-
-
-def check_llm_options(srv: "ServingConfig") -> None:
-    """`serving.llm_config` keys are `LLMConfig` fields, `serving.deployment_options` keys
-    Serve deployment options and `serving.ingress.autoscaling_config` keys Serve's
-    `AutoscalingConfig` fields (Ray imported here, at build time)."""
-    from ray.serve.llm import LLMConfig
-    from ray.serve.schema import DeploymentSchema
-
-    from ray.serve.config import AutoscalingConfig
-
-    for section, options, valid in (
-            ("llm_config", srv.llm_config, set(LLMConfig.model_fields)),
-            ("deployment_options", srv.deployment_options, set(DeploymentSchema.model_fields)),
-            ("ingress.autoscaling_config", srv.ingress.autoscaling_config or {},
-             set(AutoscalingConfig.model_fields))):
-        for key in options:
-            if key not in valid:
-                raise ConfigError(f"serving.{section}.{key}", "is not an option there",
-                                  _nearest(key, valid))
 
 
 class RequestLimits(Section):
@@ -250,13 +166,7 @@ class ServingConfig(Section):
         "(replicas, autoscaling, placement, gang, health checks) are refused by name"))
 
     def _check(self) -> None:
-        for section, owners, problem in (
-                ("engine_kwargs", OWN_ENGINE_ARGS, "is set in engine_kwargs"),
-                ("llm_config", APP_LLM_CONFIG, "is set by the app"),
-                ("deployment_options", GROUP_DEPLOYMENT_OPTIONS, "is owned by the peer groups")):
-            owned = [key for key in owners if key in getattr(self, section)]
-            if owned:
-                raise ConfigError(f"{section}.{owned[0]}", problem, owners[owned[0]])
+        refuse_owned_options(self)
         if self.host_kv_cache_gib is None:
             return
         if KV_OFFLOADING_ARG in self.engine_kwargs:
@@ -327,37 +237,17 @@ class ServeAppConfig(Section):
             self.host_kv_offloading_gib()  # refused here, naming the field, not in the engines
 
     def host_kv_offloading_gib(self) -> float | None:
-        """vLLM's `kv_offloading_size` (GiB per engine) for `serving.host_kv_cache_gib`, or None
-        when unset. The freed memory is `engram_ray.planning.host_kv.host_kv_budget`: the peer plan of
-        `deployment` against CPU offload with heads split over `serving.data_parallel_size`
-        (one copy per engine at 1), less `serving.host_kv_reserve_gib`."""
-        from engram_ray.planning.host_kv import freed_host_kv_budget
-
+        """vLLM's `kv_offloading_size` (GiB per engine) for `serving.host_kv_cache_gib`
+        (`engram_ray.planning.host_kv.offloading_gib`), or None when unset."""
         srv, dep = self.serving, self.deployment
-        requested = srv.host_kv_cache_gib
-        if requested is None:
+        if srv.host_kv_cache_gib is None:
             return None
-        shown = repr(requested) if requested == "auto" else f"{requested:g}"
         cpu_offload = (srv.engine_kwargs.get("engram_config") or {}).get("cpu_offload")
-        if dep.table_backend != "cuda" or cpu_offload:
-            where = ("engine_kwargs.engram_config.cpu_offload is true" if cpu_offload else
-                     f"deployment.table_backend is {dep.table_backend!r}")
-            raise ConfigError("serving.host_kv_cache_gib", f"is {shown} while {where}: "
-                              "the tables are in host memory, so the split frees none",
-                              "unset, or tables in HBM (table_backend 'cuda', cpu_offload "
-                              "false)")
-        budget = freed_host_kv_budget(dep.model, dep.peer_group_size, srv.data_parallel_size,
-                                      srv.host_kv_reserve_gib)
-        available = budget.cache_bytes_per_gpu / 2**30
-        told = (f"{budget.freed_bytes_per_gpu / 2**30:.2f} GiB freed per GPU - "
-                f"{srv.host_kv_reserve_gib:g} GiB host_kv_reserve_gib = {available:.2f} GiB")
-        if available <= 0 or (requested != "auto" and requested > available):
-            raise ConfigError("serving.host_kv_cache_gib", f"is {shown}, more than the "
-                              f"{told}", f"'auto' or at most {available:.2f} (a lower "
-                              "host_kv_reserve_gib leaves more)" if available > 0 else
-                              "unset: this split frees no host memory beyond the reserve")
-        # auto: rounded down to 0.01 GiB, never past what is there
-        return math.floor(available * 100) / 100 if requested == "auto" else float(requested)
+        on_host = ("engine_kwargs.engram_config.cpu_offload is true" if cpu_offload else
+                   f"deployment.table_backend is {dep.table_backend!r}"
+                   if dep.table_backend != "cuda" else None)
+        return offloading_gib(srv.host_kv_cache_gib, dep.model, dep.peer_group_size,
+                              srv.data_parallel_size, srv.host_kv_reserve_gib, on_host)
 
     @property
     def num_replicas(self) -> int:

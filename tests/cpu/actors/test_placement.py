@@ -243,7 +243,7 @@ def test_a_dead_member_restarts_its_group_and_a_lost_domain_moves_it_the_other_u
         if not cluster.domain_nodes["dom-a"]:
             cluster.domain_nodes["dom-a"] = [_add_node(cluster, "dom-a", node)
                                              for node in DOMAINS["dom-a"]]
-        _shutdown_app(name)
+        _shutdown_app(name, store=tmp_path / "store")  # group-0's folders from dom-a too
 
 
 def _serve_deploy(tmp_path, name: str, args: dict) -> list[dict]:

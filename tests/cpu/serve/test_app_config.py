@@ -55,7 +55,7 @@ def test_ingress_has_two_replicas_or_autoscaling():
 
 
 def test_ingress_autoscaling_keys_are_serves():
-    from engram_ray.serve.config import check_llm_options
+    from engram_ray.serve.library_options import check_llm_options
 
     app = ServeAppConfig.from_dict({"serving": {"ingress": {"autoscaling_config": {
         "min_replicas": 2, "max_replica": 6}}}})

@@ -12,7 +12,8 @@ import pytest
 from engram_ray.errors import ConfigError
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
 from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
-from engram_ray.serve.config import ServeAppConfig, check_engine_kwargs, check_llm_options
+from engram_ray.serve.config import ServeAppConfig
+from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 GROUP = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
