@@ -29,6 +29,10 @@ completions and chat, streamed and not, in turn; `--max-tokens`, greedy, one pro
 its coordinator ends with it and what it left is removed, `LocalDeployment.clean_stale`).
 Requests that ended in the window count: req/s = answered / window, p50 and p99 of the
 client's whole-request time; a request is answered only when its client saw it complete.
+Beside them, the CPU time (user + system, psutil) each role's processes used in the window per
+answered request: the ingress replicas, the engine replica with its vLLM processes, Serve's
+proxy, the coordinator, the clients, the whole host. On cores shared by all of them, CPU an
+ingress spends is taken from the engine; these figures show it where req/s is too noisy to.
 
 Why one app at a time, deployed afresh per case: three engines at once would share the 2
 cores and most of the memory (about 4.5 GB each); and `LocalDeployment.redeploy` of another
@@ -204,6 +208,50 @@ def replicas_running(app_name: str) -> dict[str, int]:
     return {name: dep.replica_states.get("RUNNING", 0) for name, dep in app.deployments.items()}
 
 
+# Processes by role, from the names of their Ray actors (Serve replicas are
+# "ServeReplica:<app>:<deployment>"); an engine's vLLM processes are its replica's children.
+ROLES = {"ingress": ("Ingress",), "engine": ("LLMServer",), "proxy": ("ProxyActor",),
+         "coordinator": ("Coordinator",)}
+
+
+def role_processes() -> dict[str, list]:
+    """role -> its processes now (with their children); "clients": this process (the load
+    generator's threads)."""
+    import psutil
+    from ray.util.state import list_actors
+
+    procs = {role: [] for role in ROLES}
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        role = next((r for r, marks in ROLES.items()
+                     if any(mark in (actor.class_name or "") for mark in marks)), None)
+        if role is not None and actor.pid:
+            try:
+                process = psutil.Process(actor.pid)
+                procs[role] += [process, *process.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+    procs["clients"] = [psutil.Process()]
+    return procs
+
+
+def cpu_seconds(procs: dict[str, list]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each role's processes, and by the host."""
+    import psutil
+
+    used = {}
+    for role, processes in procs.items():
+        used[role] = 0.0
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                used[role] += times.user + times.system
+            except psutil.NoSuchProcess:  # ended in the window: its share is lost, not guessed
+                pass
+    host = psutil.cpu_times()
+    used["host"] = host.user + host.system + host.nice + host.irq + host.softirq
+    return used
+
+
 def measure(deployment, case: str, label: str, args) -> tuple[dict, list]:
     """Warm-up, then the closed-loop load: (figures, the requests that ended in the window)."""
     from engram_ray.local.deployment import log
@@ -216,6 +264,8 @@ def measure(deployment, case: str, label: str, args) -> tuple[dict, list]:
                       max_tokens=args.max_tokens).start()
     time.sleep(args.warmup_s)
     load_before = os.getloadavg()[0]
+    procs = role_processes()
+    cpu_before = cpu_seconds(procs)
     begin = time.monotonic()
     while (elapsed := time.monotonic() - begin) < args.duration_s:
         time.sleep(min(15.0, args.duration_s - elapsed))
@@ -223,8 +273,10 @@ def measure(deployment, case: str, label: str, args) -> tuple[dict, list]:
         log(f"{label}: {time.monotonic() - begin:4.0f} of {args.duration_s:.0f} s, "
             f"{sum(r.ok for r in done)} answered, {sum(not r.ok for r in done)} failed")
     end = time.monotonic()
+    cpu_after = cpu_seconds(procs)
     window = [r for r in traffic.stop() if begin <= r.ended_at <= end]
     row = {"case": case, **figures(window, end - begin, args.concurrency),
+           "cpu_s": {role: round(cpu_after[role] - cpu_before[role], 2) for role in cpu_after},
            "load_avg_1m_before": round(load_before, 1),
            "warmup_slowest_s": max((s for w in warmup for s in w["slowest_s_per_round"]
                                     if s is not None), default=None),
@@ -296,6 +348,12 @@ def run(args) -> dict:
     pooled = {case: figures(windows[case], sum(r["window_s"] for r in runs
                                                 if r["case"] == case), args.concurrency)
               for case in CASES}
+    for case in CASES:
+        of_case = [r for r in runs if r["case"] == case]
+        answered = sum(r["answered"] for r in of_case)
+        pooled[case]["cpu_ms_per_request"] = {
+            role: round(1000 * sum(r["cpu_s"][role] for r in of_case) / answered, 2)
+            if answered else None for role in of_case[0]["cpu_s"]}
     comparison = {base: {case: {**ratios(pooled[case], pooled[base]), "per_round": [
         ratios(r, b) for r, b in zip([r for r in runs if r["case"] == case],
                                      [r for r in runs if r["case"] == base])]}
@@ -326,6 +384,14 @@ def markdown(result: dict) -> str:
         lines.append(f"| {case} | {c['answered']} | {c['failed']} | {c['rps']} | {c['p50_ms']} "
                      f"| {c['p99_ms']} | {c['ttft_p50_ms_streamed']} | "
                      + " | ".join(str(c[f"p50_ms_{kind}"]) for kind in KINDS) + " |")
+    roles = list(next(iter(result["cases"].values()))["cpu_ms_per_request"])
+    lines += ["", "CPU time per answered request (ms, user + system, all rounds together; "
+              "`ingress`: its replicas; `engine`: the engine replica and its vLLM processes; "
+              "`clients`: the load generator; `host`: every process of the machine):", "",
+              "| case | " + " | ".join(roles) + " |", "|" + " --- |" * (len(roles) + 1)]
+    for case, c in result["cases"].items():
+        lines.append(f"| {case} | " + " | ".join(str(c["cpu_ms_per_request"][role])
+                                                  for role in roles) + " |")
     what = {RAY_INGRESS: "the same engine and router behind Ray Serve LLM's ingress: the "
                          "ingress's cost", PLAIN_APP: "build_openai_app: the whole stack"}
     for base, comparison in result["comparison"].items():
