@@ -208,8 +208,9 @@ def replicas_running(app_name: str) -> dict[str, int]:
     return {name: dep.replica_states.get("RUNNING", 0) for name, dep in app.deployments.items()}
 
 
-# Processes by role, from the names of their Ray actors (Serve replicas are
-# "ServeReplica:<app>:<deployment>"); an engine's vLLM processes are its replica's children.
+# Processes by role, from the titles Ray gives its actors' processes ("ray::ProxyActor",
+# Serve replicas "ray::ServeReplica:<app>:<deployment>"); an engine's vLLM processes are its
+# replica's children.
 ROLES = {"ingress": ("Ingress",), "engine": ("LLMServer",), "proxy": ("ProxyActor",),
          "coordinator": ("Coordinator",)}
 
@@ -218,15 +219,16 @@ def role_processes() -> dict[str, list]:
     """role -> its processes now (with their children); "clients": this process (the load
     generator's threads)."""
     import psutil
-    from ray.util.state import list_actors
 
     procs = {role: [] for role in ROLES}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    for process in psutil.process_iter(["cmdline"]):
+        title = " ".join(process.info["cmdline"] or [])
+        if not title.startswith("ray::"):
+            continue
         role = next((r for r, marks in ROLES.items()
-                     if any(mark in (actor.class_name or "") for mark in marks)), None)
-        if role is not None and actor.pid:
+                     if any(mark in title.split()[0] for mark in marks)), None)
+        if role is not None:
             try:
-                process = psutil.Process(actor.pid)
                 procs[role] += [process, *process.children(recursive=True)]
             except psutil.NoSuchProcess:
                 pass
