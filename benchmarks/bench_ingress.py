@@ -389,11 +389,16 @@ def markdown(result: dict) -> str:
     roles = list(next(iter(result["cases"].values()))["cpu_ms_per_request"])
     lines += ["", "CPU time per answered request (ms, user + system, all rounds together; "
               "`ingress`: its replicas; `engine`: the engine replica and its vLLM processes; "
-              "`clients`: the load generator; `host`: every process of the machine):", "",
-              "| case | " + " | ".join(roles) + " |", "|" + " --- |" * (len(roles) + 1)]
+              "`clients`: the load generator; `host`: every process of the machine; the "
+              "machine's speed moves every role's figure together from run to run, the "
+              "ingress's share of the host much less):", "",
+              "| case | " + " | ".join(roles) + " | ingress / host |",
+              "|" + " --- |" * (len(roles) + 2)]
     for case, c in result["cases"].items():
-        lines.append(f"| {case} | " + " | ".join(str(c["cpu_ms_per_request"][role])
-                                                  for role in roles) + " |")
+        cpu = c["cpu_ms_per_request"]
+        share = f"{cpu['ingress'] / cpu['host']:.1%}" if cpu.get("host") else "-"
+        lines.append(f"| {case} | " + " | ".join(str(cpu[role]) for role in roles)
+                     + f" | {share} |")
     what = {RAY_INGRESS: "the same engine and router behind Ray Serve LLM's ingress: the "
                          "ingress's cost", PLAIN_APP: "build_openai_app: the whole stack"}
     for base, comparison in result["comparison"].items():
