@@ -242,10 +242,11 @@ class ServeAppConfig(Section):
         srv, dep = self.serving, self.deployment
         if srv.host_kv_cache_gib is None:
             return None
-        cpu_offload = (srv.engine_kwargs.get("engram_config") or {}).get("cpu_offload")
-        on_host = ("engine_kwargs.engram_config.cpu_offload is true" if cpu_offload else
-                   f"deployment.table_backend is {dep.table_backend!r}"
-                   if dep.table_backend != "cuda" else None)
+        on_host = None  # why the tables stay in host memory, if they do
+        if (srv.engine_kwargs.get("engram_config") or {}).get("cpu_offload"):
+            on_host = "engine_kwargs.engram_config.cpu_offload is true"
+        elif dep.table_backend != "cuda":
+            on_host = f"deployment.table_backend is {dep.table_backend!r}"
         return offloading_gib(srv.host_kv_cache_gib, dep.model, dep.peer_group_size,
                               srv.data_parallel_size, srv.host_kv_reserve_gib, on_host)
 

@@ -80,10 +80,11 @@ def check_engine_kwargs(kwargs: dict) -> None:
                               _nearest(key, valid))
 
 
-def check_llm_options(srv: "ServingConfig") -> None:
-    """`serving.llm_config` keys are `LLMConfig` fields, `serving.deployment_options` keys
-    Serve deployment options and `serving.ingress.autoscaling_config` keys Serve's
-    `AutoscalingConfig` fields (Ray imported here, at build time)."""
+def check_llm_options(srv) -> None:
+    """Of `srv` (a `ServingConfig`): `serving.llm_config` keys are `LLMConfig` fields,
+    `serving.deployment_options` keys Serve deployment options and
+    `serving.ingress.autoscaling_config` keys Serve's `AutoscalingConfig` fields (Ray imported
+    here, at build time)."""
     from ray.serve.llm import LLMConfig
     from ray.serve.schema import DeploymentSchema
 
