@@ -29,7 +29,11 @@ def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_n
     if tuple(made_with) == (app_config_dict, domains):
         return coordinator
     if num_members and rolls_out(made_with[0], app_config_dict, deployment_name):
-        if app_config_dict.get("serving", {}).get("rollout", {}).get("mode") != "restart":
+        from engram_ray.serve.config_change import group_settings
+
+        groups_roll = group_settings(made_with[0]) != group_settings(app_config_dict)
+        if groups_roll and \
+                app_config_dict.get("serving", {}).get("rollout", {}).get("mode") != "restart":
             from engram_ray.actors.placement import check_room_beside
             from engram_ray.config import DeploymentConfig
 
@@ -68,6 +72,40 @@ def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
         "roll out beside its groups (old and new engines would not read the same rows or serve "
         "the same model); set serving.rollout.mode: restart to restart every group at once (an "
         "outage of one cold start), or serve shutdown first")
+
+
+def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,
+                 timeout_s: float) -> str:
+    """The domain id of `group_id`, once the front door's build set the coordinator up with
+    the settings of `app_config_dict` (but for the front door's own) and placed the group;
+    EngramRayError naming what is missing after `timeout_s`, or at once for a change the
+    front door refuses (`rolls_out`)."""
+    from engram_ray.serve.config_change import changed_settings, group_settings
+
+    wanted, deadline, seen = group_settings(app_config_dict), time.monotonic() + timeout_s, None
+    while True:
+        try:
+            made_with, num_members = ray.get(find_coordinator(deployment_name).describe.remote())
+        except (ValueError, ray.exceptions.RayActorError):  # not made yet, or being replaced
+            made_with = None
+        if made_with is not None:
+            settings, domains = made_with
+            if group_settings(settings) == wanted and group_id in domains:
+                return domains[group_id]
+            if num_members:
+                rolls_out(settings, app_config_dict, deployment_name)  # raises if refused
+            seen = (changed_settings(group_settings(settings), wanted), sorted(domains))
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    why = ("no coordinator was made" if seen is None else
+           f"the coordinator has groups {seen[1]}" + (
+               f" and other values of {', '.join(seen[0])}" if seen[0] else ""))
+    raise EngramRayError(
+        f"{group_id} of deployment {deployment_name!r} waited {timeout_s:.0f} s for its front "
+        f"door ({why}): deploy the application with import_path engram_ray.serve.app:build_app "
+        f"and the same settings, whose serving.num_peer_groups counts {group_id}, in the same "
+        "serve deploy")
 
 
 def find_coordinator(deployment_name: str):

@@ -7,6 +7,7 @@ to all addresses, so tests run this inside a loopback-only network namespace.
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import shutil
@@ -61,9 +62,13 @@ class LocalDeployment:
 
         self.options = opts = options
         self.model_dir = os.path.join(opts.workdir, "tiny-model")
+        from engram_ray.serve.cluster_configs import APP_IMPORT_PATH
+
         doc = read_yaml(serve_yaml_path())
-        app = doc["applications"][0]
-        args = app["args"]
+        # The front door's args; the group applications' are made from them (`_deploy`).
+        app = next(a for a in doc["applications"] if a["import_path"] == APP_IMPORT_PATH)
+        args = copy.deepcopy(app["args"])  # the YAML's groups share its settings (anchors)
+        doc["applications"] = [{**app, "args": args}]  # its groups: `serve_doc`
         args["deployment"].update(model=self.model_dir, checkpoint=self.model_dir,
                                   peer_group_store=os.path.join(opts.workdir, "store"))
         args["serving"].update(model_source=self.model_dir, prometheus_targets_file=os.path.join(
@@ -79,7 +84,7 @@ class LocalDeployment:
         doc["http_options"]["port"] = opts.port
         self.doc, self.app_name, self.args = doc, app["name"], args
         self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}
-        self.config = load_serve_config_from(doc)
+        self.config = load_serve_config_from(self.serve_doc())
         self.url = f"http://127.0.0.1:{opts.port}"
         self.model_id = self.config.serving.model_id
         self._ray_started = False
@@ -87,6 +92,19 @@ class LocalDeployment:
         self.deaths = deaths_dir(self.config.deployment.peer_group_store,
                                  self.config.deployment.name)
         self._engine_of_target: dict[str, str] = {}
+        self._deployed: dict[str, dict] = {}  # application name -> the args it was run with
+
+    def serve_doc(self) -> dict:
+        """The Serve config this deployment runs: the front door and its groups'
+        applications (what `serve deploy` of the YAML with these args would run)."""
+        from engram_ray.serve.app import group_applications
+        from engram_ray.serve.cluster_configs import GROUP_IMPORT_PATH
+
+        door = self.doc["applications"][0]
+        return {**self.doc, "applications": [door] + [
+            {"name": name, "route_prefix": None, "import_path": GROUP_IMPORT_PATH,
+             "runtime_env": door.get("runtime_env"), "args": args}
+            for name, args in group_applications(self.args).items()]}
 
     # --- life cycle ----------------------------------------------------------------------
     def clean_stale(self, refuse_live: bool = True) -> None:
@@ -129,8 +147,6 @@ class LocalDeployment:
         import ray
         from ray import serve
 
-        from engram_ray.serve.app import build_app
-
         os.environ.update(self.env)
         private_dir(self.options.workdir, "engram-ray local --workdir")
         self.clean_stale()
@@ -145,22 +161,40 @@ class LocalDeployment:
         groups = self.config.serving.num_peer_groups
         log(f"deploying {serve_yaml_path().name}: {self.config.num_replicas} CPU engines in "
             f"{groups} peer group{'s' if groups > 1 else ''} (shm backend)")
-        # serve.run waits for the replicas; _run(_blocking=False) returns so progress can show.
-        from ray.serve.api import _run
-        _run(build_app(self.args), _blocking=False, name=self.app_name, route_prefix="/")
+        self._deploy()
 
     def redeploy(self, changes: dict) -> None:
-        """Deploy the application again with `changes` merged into its args (e.g.
-        {"serving": {"engine_kwargs": {"max_num_seqs": 64}}}): a changed config rolls out as
-        `serving.rollout` says. Returns once the build is done (the rollout goes on)."""
+        """Deploy again with `changes` merged into the args (e.g. {"serving": {"engine_kwargs":
+        {"max_num_seqs": 64}}}): as `serve deploy` of the changed file would, only the
+        applications whose args changed are deployed again (a changed engine setting rolls
+        out as `serving.rollout` says; `num_peer_groups` adds or deletes group applications).
+        Returns once the builds are done (the rollout goes on)."""
+        _merge(self.args, changes)
+        self.config = load_serve_config_from(self.serve_doc())
+        log(f"redeploying with {changes}")
+        self._deploy()
+
+    def _deploy(self) -> None:
+        """Run the front door and every group application whose args changed (the front
+        door's build first: it sets the coordinator up), then delete the groups no longer
+        counted (the coordinator has stopped routing to them)."""
+        from ray import serve
         from ray.serve.api import _run
 
-        from engram_ray.serve.app import build_app
+        from engram_ray.serve.app import build_front_door, build_group_app, group_applications
 
-        _merge(self.args, changes)
-        self.config = load_serve_config_from(self.doc)
-        log(f"redeploying with {changes}")
-        _run(build_app(self.args), _blocking=False, name=self.app_name, route_prefix="/")
+        wanted = {self.app_name: self.args, **group_applications(self.args)}
+        for name, args in wanted.items():
+            if self._deployed.get(name) == args:
+                continue
+            is_front_door = name == self.app_name
+            app = build_front_door(args) if is_front_door else build_group_app(args)
+            # serve.run waits for the replicas; _run(_blocking=False) returns so progress
+            # can show.
+            _run(app, _blocking=False, name=name, route_prefix="/" if is_front_door else None)
+        for name in [n for n in self._deployed if n not in wanted]:
+            serve.delete(name, _blocking=False)
+        self._deployed = copy.deepcopy(wanted)
 
     def wait_ready(self, progress=log) -> float:
         """Block until the application runs and answers; seconds it took."""
@@ -176,25 +210,30 @@ class LocalDeployment:
             died = read_deaths(self.deaths)
             if died:  # an engine that dies before the deployment is ready is not retried
                 raise EngineDiedError(died[0].line())
-            app = serve.status().applications.get(self.app_name)
-            state = self._state_text(app)
-            if app is not None and app.status == "DEPLOY_FAILED":
-                raise EngramRayError(f"deployment failed: {app.message}")
-            if app is not None and app.status == "RUNNING" and self._answers():
+            status = serve.status().applications
+            apps = [status.get(name) for name in self._deployed]
+            state = self._state_text(apps)
+            for app in apps:
+                if app is not None and app.status == "DEPLOY_FAILED":
+                    raise EngramRayError(f"deployment failed: {app.message}")
+            if all(app is not None and app.status == "RUNNING" for app in apps) \
+                    and self._answers():
                 return time.monotonic() - start
             if state != last or int(elapsed) % 15 == 0:
                 progress(f"{elapsed:5.0f} s  {state}")
                 last = state
             time.sleep(1.0)
 
-    def _state_text(self, app=None) -> str:
-        if app is None:
-            return "waiting for the application"
-        parts = [f"app {getattr(app.status, 'value', app.status)}"]
-        for name, dep in app.deployments.items():
-            running = dep.replica_states.get("RUNNING", 0)
-            total = sum(dep.replica_states.values())
-            parts.append(f"{name.split(':')[0]} {running}/{total} running")
+    def _state_text(self, apps=()) -> str:
+        if not apps or None in apps:
+            return "waiting for the applications"
+        parts = [f"apps {'/'.join(sorted({getattr(a.status, 'value', a.status) for a in apps}))}"]
+        for app in apps:
+            for name, dep in app.deployments.items():
+                running = dep.replica_states.get("RUNNING", 0)
+                total = sum(dep.replica_states.values())
+                label = " ".join(name.split(":")[::2])  # engine deployments: class, group
+                parts.append(f"{label} {running}/{total} running")
         return ", ".join(parts)
 
     def _answers(self) -> bool:

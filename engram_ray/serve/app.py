@@ -1,15 +1,23 @@
-"""The Ray Serve application of engram-ray: `import_path: engram_ray.serve.app:build_app`.
+"""The Ray Serve applications of engram-ray: a front door and one application per peer group.
 
-    serve deploy cluster_configs/serve_local_tiny.yaml      # args: {deployment, serving}
+    serve deploy cluster_configs/serve_local_tiny.yaml
 
-    build_app(args)
+    engram_ray.serve.app:build_app     (the front door; args: {deployment, serving})
       plan groups     each of serving.num_peer_groups gets a domain   actors/placement.py
       coordinator     generations, store folders, slices, targets      actors/coordinator.py
+      ingress         OpenAI API, requests spread over the groups      engram_ray.serve.ingress
+                      request checks, caps, every error's shape         engram_ray.serve.api_guard
+    engram_ray.serve.app:build_group   (one per group, `<deployment.name>-group-<i>`;
+                                        args: `group_args`, the same settings and `group`)
       per group       one Serve deployment = one gang of P engines,    engram_ray.serve.replica
                       bundles label-selected to the group's domain,
                       requests only to members that serve      engram_ray.serve.member_router
-      ingress         OpenAI API, requests spread over the groups      engram_ray.serve.ingress
-                      request checks, caps, every error's shape         engram_ray.serve.api_guard
+
+Why one application per group: Serve gives every deployment of an application the code version
+of the whole (a hash of its args) and restarts every replica when it changes. Apart, a group's
+code version changes only with its own settings: `serving.num_peer_groups` up or down adds or
+deletes group applications and leaves the others' engines running (`FRONT_DOOR_SETTINGS`
+are not in the groups' args).
 
 Built from Ray Serve LLM's parts: `LLMConfig`, `build_llm_deployment` with the replica class
 swapped for an engram-ray engine, and its OpenAI ingress.
@@ -17,7 +25,8 @@ swapped for an engram-ray engine, and its OpenAI ingress.
 
 from __future__ import annotations
 
-from engram_ray.planning.grouping import PeerGroupPlan
+from engram_ray.errors import ConfigError
+from engram_ray.planning.grouping import PeerGroupPlan, PlacementError
 from engram_ray.serve.config import ServeAppConfig
 
 
@@ -95,25 +104,52 @@ def server_class(app: ServeAppConfig):
     return EngramDPServer if app.serving.data_parallel_size > 1 else EngramLLMServer
 
 
+def group_app_name(deployment_name: str, group_id: str) -> str:
+    """The Serve application of one peer group (the front door finds its engines by it)."""
+    return f"{deployment_name}-{group_id}"
+
+
+def engine_deployment_name(server_cls, deployment_name: str, group_id: str) -> str:
+    return f"{server_cls.__name__}:{deployment_name}:{group_id}"
+
+
+def group_args(args: dict, group_id: str) -> dict:
+    """A group application's `args`: the front door's without the settings only the front
+    door reads (`FRONT_DOOR_SETTINGS` of `engram_ray.serve.config`: a change of them leaves
+    every group's code version, and so its engines, alone), plus `group`."""
+    from engram_ray.serve.config_change import group_settings
+
+    return {"group": group_id, **group_settings(args)}
+
+
+def group_applications(args: dict) -> dict[str, dict]:
+    """{application name: args} of every peer group of the front door's `args`."""
+    app = ServeAppConfig.from_dict(args, "args")
+    return {group_app_name(app.deployment.name, f"group-{i}"): group_args(args, f"group-{i}")
+            for i in range(app.serving.num_peer_groups)}
+
+
 def build_app(args: dict):
-    """Serve application from the YAML `args` ({deployment: ..., serving: ...})."""
-    return build_engram_app(args)
+    """The front door's Serve application from the YAML `args` ({deployment, serving}): the
+    coordinator (placement of every group, rollout) and the OpenAI ingress over the groups'
+    applications (`build_group`, one per group, named by `group_app_name`)."""
+    return build_front_door(args)
 
 
-def build_engram_app(args: dict, server_cls=None):
+def build_group(args: dict):
+    """One peer group's Serve application from the YAML `args` (`group_args`)."""
+    return build_group_app(args)
+
+
+def build_front_door(args: dict, server_cls=None):
     """`build_app` with the engine class replaced by `server_cls` (tests: a server that only
     records where it runs; Serve's builders take exactly one argument)."""
-    from ray.serve.llm import build_llm_deployment
-
     from engram_ray.actors.coordinator import coordinator_name
     from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.actors.lifetime import saved_settings
-    from engram_ray.actors.placement import gang_options, plan_groups
-    from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
+    from engram_ray.actors.placement import plan_groups
 
-    app = ServeAppConfig.from_dict(args, "build_app args")
-    check_engine_kwargs(engine_kwargs(app))  # a typo fails here, not in every engine
-    check_llm_options(app.serving)
+    app = _checked(args, "build_app args")
     dep = app.deployment
     server_cls = server_cls or server_class(app)
     # Groups stay where they run (a rebuild of a serving application, a group placed again
@@ -121,23 +157,68 @@ def build_engram_app(args: dict, server_cls=None):
     kept = saved_settings(coordinator_name(dep.name))
     groups = plan_groups(dep, app.serving.num_peer_groups, keep=kept and kept["domains"])
     get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name)
-    configs = [llm_config(app, g) for g in groups]
-    from engram_ray.serve.member_router import ROUTER_PATH
+    engines = {g.group_id: (engine_deployment_name(server_cls, dep.name, g.group_id),
+                            group_app_name(dep.name, g.group_id)) for g in groups}
+    return _ingress(llm_config(app, groups[0]), engines, dep.name)
 
-    # A changed config rolls out (serving.rollout): 'beside' starts each group's new gang next
+
+def build_group_app(args: dict, server_cls=None):
+    """`build_group` with the engine class replaced by `server_cls` (tests)."""
+    from engram_ray.actors.coordinator_lookup import group_domain
+    from engram_ray.actors.placement import discover_domains, gang_options
+    from engram_ray.serve.member_router import ROUTER_PATH
+    from ray.serve.llm import build_llm_deployment
+
+    args = dict(args)
+    group_id = args.pop("group", None)
+    if not isinstance(group_id, str) or not group_id.startswith("group-"):
+        raise ConfigError("build_group args: group", f"is {group_id!r}",
+                          "the group's id, group-<i> (engram_ray.serve.app.group_args)")
+    app = _checked(args, "build_group args")
+    dep = app.deployment
+    server_cls = server_cls or server_class(app)
+    # The front door's build placed the group and set the coordinator up with these settings.
+    domain_id = group_domain(app.to_dict(), group_id, dep.name, dep.placement_timeout_s + 60)
+    domain = next((d for d in discover_domains(dep) if d.domain_id == domain_id), None)
+    if domain is None:
+        raise PlacementError(f"{group_id} of {dep.name!r} was placed in domain {domain_id}, "
+                             "which has no alive node now; deploy again to place it anew")
+    group = PeerGroupPlan(group_id, domain, int(group_id.split("-")[1]), dep.peer_group_size)
+    # A changed config rolls out (serving.rollout): 'beside' starts the group's new gang next
     # to the serving one (max_surge_percent: a whole extra gang), 'restart' replaces it.
     surge = 100 if app.serving.rollout.mode == "beside" else 0
-    engines = [build_llm_deployment(config, deployment_cls=server_cls, override_serve_options={
-        "name": f"{server_cls.__name__}:{dep.name}:{g.group_id}", **gang_options(dep, g),
-        "max_surge_percent": surge,
+    return build_llm_deployment(llm_config(app, group), deployment_cls=server_cls,
+                                override_serve_options={
+        "name": engine_deployment_name(server_cls, dep.name, group_id),
+        **gang_options(dep, group), "max_surge_percent": surge,
         "request_router_config": {"request_router_class": ROUTER_PATH}})
-        for config, g in zip(configs, groups)]
-    return _ingress(configs[0], {g.group_id: e for g, e in zip(groups, engines)}, dep.name)
+
+
+def engram_applications(args: dict, app_name: str, route_prefix: str = "/",
+                        server_cls=None) -> list[tuple[str, str | None, object]]:
+    """[(application name, route prefix, Serve application)] of a deployment started with
+    `serve.run` (the local deployment, tests): the front door first (its build sets the
+    coordinator up), then every group's. `serve deploy` builds the same from the YAML."""
+    apps = [(app_name, route_prefix, build_front_door(args, server_cls))]
+    for name, group in group_applications(args).items():
+        apps.append((name, None, build_group_app(group, server_cls)))
+    return apps
+
+
+def _checked(args: dict, source: str) -> ServeAppConfig:
+    """The app config of `args`, with the checks against vLLM's and Ray Serve LLM's own option
+    names (a typo fails here, not in every engine)."""
+    from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
+
+    app = ServeAppConfig.from_dict(args, source)
+    check_engine_kwargs(engine_kwargs(app))
+    check_llm_options(app.serving)
+    return app
 
 
 def _ingress(config, engines: dict, deployment_name: str):
-    """Ray Serve LLM's OpenAI ingress over the groups' deployments
-    (`engram_ray.serve.ingress.PeerGroupIngress`)."""
+    """Ray Serve LLM's OpenAI ingress over the groups' deployments, `engines`: {group id:
+    (deployment name, application name)} (`engram_ray.serve.ingress.PeerGroupIngress`)."""
     from ray import serve
     from ray.llm._internal.common.dict_utils import deep_merge_dicts
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
@@ -156,6 +237,5 @@ def _ingress(config, engines: dict, deployment_name: str):
     ingress_app = guarded_ingress_app(serving.request_limits, serving.max_model_len)
     ingress_cls = make_fastapi_ingress(PeerGroupIngress, app=ingress_app)
     return serve.deployment(ingress_cls, **options).bind(
-        llm_deployments={config.model_id: next(iter(engines.values()))},
         model_cards={config.model_id: to_model_metadata(config.model_id, config)},
         lora_paths={}, peer_groups={config.model_id: engines}, deployment_name=deployment_name)

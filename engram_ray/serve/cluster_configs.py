@@ -1,8 +1,8 @@
 """Checks of the YAMLs in `cluster_configs/`: Serve deploy files and `ray up` cluster files.
 
 - Serve files: Ray's `ServeDeploySchema`, then every application whose import path is
-  `engram_ray.serve.app:build_app` through `ServeAppConfig` (unknown keys and bad values refused,
-  naming the field).
+  `engram_ray.serve.app:build_app` (the front door) through `ServeAppConfig` (unknown keys and
+  bad values refused, naming the field), and its groups' `build_group` applications.
 - ray up files: Ray's autoscaler JSON schema (`ray/autoscaler/ray-schema.json`), then what
   engram-ray needs: engram-ray[gpu] installed by the setup commands, and every worker's
   `ray start` labelled with its NVLink domain (`engram-ray node-labels`).
@@ -19,6 +19,7 @@ from engram_ray.errors import ConfigError
 from engram_ray.serve.config import ServeAppConfig
 
 APP_IMPORT_PATH = "engram_ray.serve.app:build_app"
+GROUP_IMPORT_PATH = "engram_ray.serve.app:build_group"
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -33,7 +34,8 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def check_serve_config(data: dict, source: str) -> dict[str, ServeAppConfig]:
-    """Validate a `serve deploy` document; application name -> its engram-ray app config."""
+    """Validate a `serve deploy` document; front door application name -> its engram-ray app
+    config. Every front door needs its groups' applications (`check_group_applications`)."""
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
@@ -56,7 +58,45 @@ def check_serve_config(data: dict, source: str) -> dict[str, ServeAppConfig]:
     if not apps:
         raise ConfigError(f"{source}: applications", f"has no {APP_IMPORT_PATH} application",
                           f"one application with import_path {APP_IMPORT_PATH}")
+    check_group_applications(schema.applications, source)
     return apps
+
+
+def check_group_applications(applications, source: str) -> None:
+    """Each front door (`build_app`) has one `build_group` application per group, named
+    `<deployment.name>-group-<i>`, with no route, the front door's runtime_env and its args
+    as `group_args` makes them; no group application is left without a front door."""
+    from engram_ray.serve.app import group_applications
+    from engram_ray.serve.config_change import changed_settings
+
+    groups = {app.name: (idx, app) for idx, app in enumerate(applications)
+              if app.import_path == GROUP_IMPORT_PATH}
+    shape = (f"import_path {GROUP_IMPORT_PATH}, route_prefix null, the front door's "
+             "runtime_env, args {group: group-<i>, deployment: <the front door's>, serving: "
+             "<the front door's but num_peer_groups, ingress, request_limits>} (YAML anchors: "
+             "cluster_configs/serve_local_tiny.yaml)")
+    for door in (app for app in applications if app.import_path == APP_IMPORT_PATH):
+        for name, args in group_applications(door.args).items():
+            if name not in groups:
+                raise ConfigError(f"{source}: applications", f"have no application {name!r} "
+                                  f"for {args['group']} of {door.name!r} (serving."
+                                  "num_peer_groups counts it)", f"one named {name} with {shape}")
+            idx, app = groups.pop(name)
+            where = f"{source}: applications[{idx}]"
+            if app.args != args:
+                raise ConfigError(f"{where}.args", "differ from what the front door "
+                                  f"{door.name!r} runs its groups with in "
+                                  + ", ".join(changed_settings(app.args, args)), shape)
+            if app.route_prefix is not None:
+                raise ConfigError(f"{where}.route_prefix", f"is {app.route_prefix!r}", shape)
+            if app.runtime_env != door.runtime_env:
+                raise ConfigError(f"{where}.runtime_env", f"differs from the front door "
+                                  f"{door.name!r}'s (its engines run in it)", shape)
+    for name, (idx, app) in groups.items():
+        raise ConfigError(f"{source}: applications[{idx}]", f"is group application {name!r} "
+                          "of no front door (no build_app application's serving.num_peer_groups"
+                          " and deployment.name count it)", "remove it, or raise the front "
+                          "door's serving.num_peer_groups")
 
 
 def load_serve_config(path: str | Path) -> dict[str, ServeAppConfig]:

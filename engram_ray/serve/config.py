@@ -84,6 +84,9 @@ FIXED_WHILE_SERVING = ("deployment.model", "deployment.peer_group_size",
                        "deployment.table_backend", "deployment.handle_type",
                        "deployment.peer_group_store", "serving.model_id",
                        "serving.model_source", "serving.data_parallel_size")
+# Settings only the front door reads (`engram_ray.serve.app`): not in the groups' args, so a
+# change of them starts no engine (`num_peer_groups` adds or deletes groups only).
+FRONT_DOOR_SETTINGS = ("serving.num_peer_groups", "serving.ingress", "serving.request_limits")
 
 
 class RolloutConfig(Section):

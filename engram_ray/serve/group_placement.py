@@ -7,8 +7,8 @@ are alive (`actors/placement.py`), which groups have been lost for
 `deployment.replace_lost_group_after_s` (`engram_ray.planning.lost_domains`). A group due goes
 to `replacement_domain` (free slots for the whole gang, a domain holding no group first).
 
-Serve's declarative config is where the change is made: the application's config as `serve
-deploy` left it is applied again with a `deployments:` entry for the group's deployment naming
+Serve's declarative config is where the change is made: the group application's config as
+`serve deploy` left it is applied again with a `deployments:` entry for its deployment naming
 the new domain (`placement_group_bundles`, `placement_group_bundle_label_selector`, and its
 engines' `ENGRAM_RAY_DOMAIN`, which Serve needs to see a change at all). The code
 version is unchanged, so Serve rebuilds nothing and restarts only that deployment, whose new
@@ -41,21 +41,19 @@ CHECK_PERIOD_S = 5.0  # a few Serve and GCS reads per period; the grace time is 
 DOMAIN_ENV = "ENGRAM_RAY_DOMAIN"  # set on the engines of a group placed again: its domain id
 
 
-def group_deployments(deployment_name: str) -> tuple[str, dict[str, str]] | None:
-    """(Serve application name, {group id: its deployment's name}) of the application whose
-    engine deployments are `<class>:<deployment_name>:group-<i>`; None when there is none."""
+def group_deployments(deployment_name: str) -> dict[str, tuple[str, str]]:
+    """{group id: (its Serve application, its engine deployment)} of the groups whose engine
+    deployments are `<class>:<deployment_name>:group-<i>` (one application per group)."""
     marker = engine_deployment_marker(deployment_name)
-    for app_name, app in serve.status().applications.items():
-        names = {name.rsplit(":", 1)[1]: name for name in app.deployments if marker in name}
-        if names:
-            return app_name, names
-    return None
+    return {name.rsplit(":", 1)[1]: (app_name, name)
+            for app_name, app in serve.status().applications.items()
+            for name in app.deployments if marker in name}
 
 
-def live_selectors(client, app_name: str, names: dict[str, str]) -> dict[str, dict]:
+def live_selectors(client, deployments: dict[str, tuple[str, str]]) -> dict[str, dict]:
     """{group id: the bundle label selector Serve places its gang by now}."""
     selectors = {}
-    for group_id, name in names.items():
+    for group_id, (app_name, name) in deployments.items():
         info, _ = client.get_deployment_info(name, app_name)
         selector = info.replica_config.placement_group_bundle_label_selector
         if selector:
@@ -116,12 +114,11 @@ class CapacityFollower:
             return {}
         if self.watch is None or self.watch.grace_s != grace_s:
             self.watch = LostDomainWatch(grace_s)
-        found = group_deployments(config.name)
-        if found is None:
+        deployments = group_deployments(config.name)
+        if not deployments:
             return {}
-        app_name, names = found
         client = _get_global_client()
-        selectors = live_selectors(client, app_name, names)
+        selectors = live_selectors(client, deployments)
         domains = discover_domains(config, own_free=False)
         now = time.monotonic()
         moved = {}
@@ -134,7 +131,7 @@ class CapacityFollower:
                                   f"{config.peer_group_size} engine(s) ({domain_summary(domains)});"
                                   " it is placed once one has")
                 continue
-            if not point_deployment(client, app_name, names[group_id], config.bundle, target):
+            if not point_deployment(client, *deployments[group_id], config.bundle, target):
                 self._report_once(group_id, selectors[group_id], "the application was started "
                                   "with serve.run, not serve deploy: redeploy it to place the "
                                   "group again")

@@ -170,12 +170,21 @@ class GroupRouting:
 
 
 class PeerGroupIngress(OpenAiIngress):
-    def __init__(self, llm_deployments: dict, model_cards: dict, *, peer_groups: dict,
-                 deployment_name: str, **kwargs):
-        super().__init__(llm_deployments, model_cards, **kwargs)
+    def __init__(self, model_cards: dict, *, peer_groups: dict, deployment_name: str,
+                 **kwargs):
+        """`peer_groups`: {model id: {group id: (engine deployment, its application)}}: each
+        group is an application of its own (`engram_ray.serve.app`), found by name."""
+        from ray import serve
+
+        handles = {model_id: {group_id: serve.get_deployment_handle(
+            deployment, app_name, _check_exists=False, _record_telemetry=False)
+            for group_id, (deployment, app_name) in groups.items()}
+            for model_id, groups in peer_groups.items()}
+        super().__init__({m: next(iter(g.values())) for m, g in handles.items()}, model_cards,
+                         **kwargs)
         self._group_handles = {model_id: {group_id: h.options(stream=True)
                                           for group_id, h in groups.items()}
-                               for model_id, groups in peer_groups.items()}
+                               for model_id, groups in handles.items()}
         self._turn = itertools.count()
         self._routing = GroupRouting(deployment_name)
 

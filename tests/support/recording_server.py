@@ -1,7 +1,8 @@
 """Engines that only record where they run: the real engram-ray replica classes (their join
 with the coordinator, gang context and DP nesting) with vLLM left out. Each replica writes
 one JSON file into `records_dir(peer_group_store)`: its replica id, group, gang, ranks, node.
-Used by tests/cpu/actors/test_placement.py through `engram_ray.serve.app.build_engram_app(args, server_cls)`."""
+Used by tests/cpu/actors/test_placement.py through `engram_ray.serve.app.engram_applications(...,
+server_cls)`."""
 
 from __future__ import annotations
 
@@ -57,10 +58,21 @@ class RecordingDPServer(_Recording, EngramDPServer):
     pass
 
 
-def build_recording_app(args: dict):
-    """`import_path` of a `serve deploy` (declarative) of recording engines; the test puts
-    tests/ on the application's PYTHONPATH (`runtime_env.env_vars`)."""
-    from engram_ray.serve.app import build_engram_app
-
+def recording_class(args: dict):
     dp = args.get("serving", {}).get("data_parallel_size", 1)
-    return build_engram_app(args, RecordingDPServer if dp > 1 else RecordingServer)
+    return RecordingDPServer if dp > 1 else RecordingServer
+
+
+def build_recording_app(args: dict):
+    """`import_path` of a `serve deploy` (declarative) of recording engines: the front door;
+    the test puts tests/ on the application's PYTHONPATH (`runtime_env.env_vars`)."""
+    from engram_ray.serve.app import build_front_door
+
+    return build_front_door(args, recording_class(args))
+
+
+def build_recording_group(args: dict):
+    """The groups' applications of `build_recording_app`."""
+    from engram_ray.serve.app import build_group_app
+
+    return build_group_app(args, recording_class(args))

@@ -76,12 +76,36 @@ def _records(tmp_path) -> list[dict]:
 
 
 def _deploy(tmp_path, args, server_cls=RecordingServer, name="placement"):
+    """`serve.run` of the front door and every group's application; their records once all
+    run."""
+    from ray.serve.api import _run
+
+    from engram_ray.serve.app import engram_applications
+
+    for app_name, route_prefix, app in engram_applications(args, name, f"/{name}", server_cls):
+        _run(app, _blocking=False, name=app_name, route_prefix=route_prefix)
+    _wait_running(name)
+    return _records(tmp_path)
+
+
+def _applications(name: str) -> dict:
+    """Serve's status of the front door `name` and of its groups' applications."""
     from ray import serve
 
-    from engram_ray.serve.app import build_engram_app
+    return {app_name: app for app_name, app in serve.status().applications.items()
+            if app_name == name or app_name.startswith(f"{name}-group-")}
 
-    serve.run(build_engram_app(args, server_cls=server_cls), name=name, route_prefix=f"/{name}")
-    return _records(tmp_path)
+
+def _wait_running(name: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        apps = _applications(name)
+        assert not any(a.status == "DEPLOY_FAILED" for a in apps.values()), {
+            n: a.message for n, a in apps.items()}
+        if len(apps) > 1 and all(a.status == "RUNNING" for a in apps.values()):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{name} not running after {timeout_s:.0f} s: {_applications(name)}")
 
 
 def _by_group(records: list[dict]) -> dict[str, list[dict]]:
@@ -106,14 +130,15 @@ def _check_inside_domains(records, peer_group_size: int, num_groups: int) -> dic
 
 
 def _shutdown_app(name="placement", store=None):
-    """`serve delete`: the coordinator goes by itself with its application (it looks every
-    APP_CHECK_S), taking the store folders with it."""
+    """`serve delete` of the front door and the groups: the coordinator goes by itself with
+    the applications (it looks every APP_CHECK_S), taking the store folders with it."""
     from ray import serve
 
     from engram_ray.actors.coordinator_lookup import find_coordinator
     from engram_ray.actors.lifetime import APP_CHECK_S
 
-    serve.delete(name)
+    for app_name in _applications(name):
+        serve.delete(app_name)
     deadline = time.monotonic() + 3 * APP_CHECK_S + 10
     while time.monotonic() < deadline:
         try:
@@ -199,11 +224,9 @@ def test_a_group_that_fits_no_domain_fails_the_deploy_in_one_line(cluster, tmp_p
     serve.delete("infeasible")
 
 
-def _all_healthy(app_name: str) -> bool:
-    from ray import serve
-
-    deployments = serve.status().applications[app_name].deployments
-    return all(d.status == "HEALTHY" for d in deployments.values())
+def _all_healthy(name: str) -> bool:
+    return all(d.status == "HEALTHY" for app in _applications(name).values()
+               for d in app.deployments.values())
 
 
 def _alive(pid: int) -> bool:
@@ -249,23 +272,22 @@ def test_a_dead_member_restarts_its_group_and_a_lost_domain_moves_it_the_other_u
 def _serve_deploy(tmp_path, name: str, args: dict) -> list[dict]:
     """`serve deploy` (declarative) of the recording engines; their records once it runs.
     tests/ goes on the application's PYTHONPATH (workers cannot import it otherwise)."""
-    from ray import serve
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
+    from engram_ray.serve.app import group_applications
+
     tests_dir = str(Path(__file__).resolve().parents[2])
+    runtime_env = {"env_vars": {"PYTHONPATH": f"{tests_dir}:${{PYTHONPATH}}"}}
     serve_start().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
         "name": name, "route_prefix": f"/{name}",
         "import_path": "support.recording_server:build_recording_app", "args": args,
-        "runtime_env": {"env_vars": {"PYTHONPATH": f"{tests_dir}:${{PYTHONPATH}}"}}}]}))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(name)
-        if app is not None and app.status == "RUNNING":
-            return _records(tmp_path)
-        assert app is None or app.status != "DEPLOY_FAILED", app.message
-        time.sleep(1)
-    raise AssertionError(f"{name} not running after 300 s: {serve.status().applications}")
+        "runtime_env": runtime_env}] + [{
+            "name": group_app, "route_prefix": None, "runtime_env": runtime_env,
+            "import_path": "support.recording_server:build_recording_group", "args": group}
+            for group_app, group in group_applications(args).items()]}))
+    _wait_running(name)
+    return _records(tmp_path)
 
 
 def _kill_a_member_of_group_0(tmp_path, name: str, before: dict) -> list[dict]:

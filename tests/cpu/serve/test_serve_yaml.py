@@ -25,11 +25,66 @@ def test_empty_args_serve_deepseek_from_its_checkpoint():
     assert app.deployment.checkpoint == app.serving.model_source == "deepseek-ai/DeepSeek-V4.1-Flash"
     assert app.deployment.model == "deepseek-v4.1-flash"
     assert app.serving.num_cpus_per_replica == app.deployment.num_cpus_per_engine
-    # and Ray's schema and the project's checks take it as a whole document
+    # and Ray's schema and the project's checks take it as a whole document (with its group)
     doc = {"applications": [{"name": "a", "import_path": "engram_ray.serve.app:build_app",
-                             "args": {}}]}
+                             "args": {}}, _group_app("engram-group-0", {})]}
     (checked,) = check_serve_config(doc, "minimal.yaml").values()
     assert checked == app
+
+
+def _group_app(name: str, args: dict, group: str = "group-0") -> dict:
+    from engram_ray.serve.app import group_args
+
+    return {"name": name, "route_prefix": None, "args": group_args(args, group),
+            "import_path": "engram_ray.serve.app:build_group"}
+
+
+def test_each_group_is_an_application_of_its_own_with_the_front_doors_settings():
+    """serve_local_tiny.yaml's groups (YAML anchors) run the front door's settings but for its
+    own (num_peer_groups, ingress, request_limits); `engram-ray check` names what is missing,
+    left over or different."""
+    from engram_ray.serve.app import group_applications
+
+    data = read_yaml(CONFIGS / "serve_local_tiny.yaml")
+    door, group = data["applications"]
+    assert group_applications(door["args"]) == {"local-group-0": group["args"]}
+    assert "num_peer_groups" in door["args"]["serving"]
+    assert "num_peer_groups" not in group["args"]["serving"]
+
+    def refused(doc) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_serve_config(doc, "x.yaml")
+        return str(info.value)
+
+    two = copy.deepcopy(data)
+    two["applications"][0]["args"]["serving"]["num_peer_groups"] = 2
+    assert refused(two).startswith("x.yaml: applications: have no application 'local-group-1' "
+                                   "for group-1 of 'engram-local' (serving.num_peer_groups "
+                                   "counts it) (expected one named local-group-1 with ")
+    two["applications"].append(_group_app("local-group-1", two["applications"][0]["args"],
+                                          "group-1") | {"runtime_env": door["runtime_env"]})
+    assert check_serve_config(two, "x.yaml")["engram-local"].serving.num_peer_groups == 2
+    # an engine change: group-0 shares it through the anchor, group-1 (written out) does not
+    other = copy.deepcopy(two)
+    other["applications"][0]["args"]["serving"]["engine_kwargs"]["max_num_seqs"] = 64
+    assert refused(other).startswith(
+        "x.yaml: applications[2].args: differ from what the front door 'engram-local' runs its "
+        "groups with in serving.engine_kwargs.max_num_seqs")
+    other = copy.deepcopy(two)
+    other["applications"][2]["args"]["serving"]["num_peer_groups"] = 2  # the front door's own
+    assert "in serving.num_peer_groups" in refused(other)
+    other = copy.deepcopy(two)
+    other["applications"][2]["route_prefix"] = "/g1"
+    assert refused(other).startswith("x.yaml: applications[2].route_prefix: is '/g1'")
+    other = copy.deepcopy(two)
+    other["applications"][2]["runtime_env"] = {}
+    assert refused(other).startswith("x.yaml: applications[2].runtime_env: differs from the "
+                                     "front door 'engram-local''s (its engines run in it)")
+    # 2 -> 1 with the group's application left in: refused, saying what to do
+    assert refused(data | {"applications": data["applications"] + [two["applications"][2]]}) \
+        == ("x.yaml: applications[2]: is group application 'local-group-1' of no front door "
+            "(no build_app application's serving.num_peer_groups and deployment.name count "
+            "it) (expected remove it, or raise the front door's serving.num_peer_groups)")
 
 
 def test_checkpoint_and_cpus_are_written_once(tmp_path):
@@ -58,7 +113,7 @@ def test_the_projects_yamls_write_the_checkpoint_and_cpus_once():
     for name in ("serve_deepseek_v41_flash.yaml", "serve_local_tiny.yaml"):
         data = read_yaml(CONFIGS / name)
         (app,) = check_serve_config(data, name).values()
-        args = data["applications"][0]["args"]
+        args = data["applications"][0]["args"]  # the front door's
         assert app.to_dict() == ServeAppConfig.from_dict(app.to_dict()).to_dict()
         assert "checkpoint" not in args["deployment"] and "fill" not in args["deployment"]
         assert "num_cpus_per_replica" not in args["serving"]

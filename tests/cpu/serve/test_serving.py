@@ -204,26 +204,35 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
 
 
 def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, tmp_path):
-    """The local YAML on one node (a CPU domain): one group deployment, a gang of 2 whose
-    bundles are label-selected to that node, behind the peer-group ingress."""
+    """The local YAML on one node (a CPU domain): the front door's ingress names each group's
+    application; a group's application is one deployment, a gang of 2 whose bundles are
+    label-selected to that node. A group's args without the front door's settings."""
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import find_coordinator
-    from engram_ray.serve.app import build_app
+    from engram_ray.serve.app import engram_applications, group_applications
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "built")
-    app = build_app(raw)
-    ingress = app._bound_deployment
+    raw["serving"]["ingress"] = {"num_replicas": 3}
+    (door_name, door_route, door), (group_name, group_route, group_app) = \
+        engram_applications(raw, "front")
+    assert (door_name, door_route, group_name, group_route) == ("front", "/", "built-group-0",
+                                                                None)
+    ingress = door._bound_deployment
     assert ingress.name == "PeerGroupIngress" and ingress.ray_actor_options["num_cpus"] == 0
+    assert ingress.num_replicas == 3
     groups = ingress.init_kwargs["peer_groups"]["engram-tiny"]
-    assert list(groups) == ["group-0"] and ingress.init_kwargs["deployment_name"] == "built"
-    (group,) = groups.values()
-    engines = group._bound_deployment
+    assert groups == {"group-0": ("EngramLLMServer:built:group-0", "built-group-0")}
+    assert ingress.init_kwargs["deployment_name"] == "built"
+    engines = group_app._bound_deployment
     assert (engines.name, engines.num_replicas) == ("EngramLLMServer:built:group-0", 2)
     config = engines._deployment_config
     assert config.gang_scheduling_config.gang_size == 2
     node_id = ray.get_runtime_context().get_node_id()
     assert engines._replica_config.placement_group_bundle_label_selector == [
         {"ray.io/node-id": node_id}]
+    (group_args,) = group_applications(raw).values()
+    assert group_args["group"] == "group-0"
+    assert not {"num_peer_groups", "ingress", "request_limits"} & set(group_args["serving"])
     ray.kill(find_coordinator("built"))
 
 
