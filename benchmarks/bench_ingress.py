@@ -106,8 +106,10 @@ def ray_ingress(config, engines: dict, deployment_name: str):
 
     options = maybe_apply_llm_deployment_config_defaults(
         OpenAiIngress.get_deployment_options([config]), {"ray_actor_options": {"num_cpus": 0}})
+    deployment, app_name = next(iter(engines.values()))  # the group's own application
     return serve.deployment(make_fastapi_ingress(OpenAiIngress), **options).bind(
-        llm_deployments={config.model_id: next(iter(engines.values()))},
+        llm_deployments={config.model_id: serve.get_deployment_handle(
+            deployment, app_name, _check_exists=False)},
         model_cards={config.model_id: to_model_metadata(config.model_id, config)},
         lora_paths={})
 
@@ -126,8 +128,7 @@ def deploy(deployment, case: str) -> float:
         log(f"deploying {case}: the engram app with Ray Serve LLM's OpenAiIngress")
         with mock.patch.object(app, "_ingress", ray_ingress):  # the build is in this process
             deployment.redeploy({})
-        return wait_running(deployment.app_name, deployment.url,
-                            deployment.options.startup_timeout_s)
+        return deployment.wait_ready()
     if case in ENGRAM_INGRESS_REPLICAS:
         deployment.args["serving"].pop("ingress", None)  # back to the config's default
         replicas = ENGRAM_INGRESS_REPLICAS[case]
@@ -178,9 +179,10 @@ def remove(deployment, case: str) -> None:
     from engram_ray.local.deployment import log
 
     started = time.monotonic()
-    serve.delete(PLAIN_APP if case == PLAIN_APP else deployment.app_name)
     if case == PLAIN_APP:
+        serve.delete(PLAIN_APP)
         return
+    deployment.delete()  # the front door and the groups' applications
     name = coordinator_name(deployment.config.deployment.name)
     while True:
         try:
@@ -201,11 +203,14 @@ def remove(deployment, case: str) -> None:
     log(f"{case} deleted and cleaned up in {time.monotonic() - started:.0f} s")
 
 
-def replicas_running(app_name: str) -> dict[str, int]:
+def replicas_running(app_names) -> dict[str, int]:
+    """{deployment: running replicas} of the applications `app_names` (an engram case: the
+    front door and the groups' applications)."""
     from ray import serve
 
-    app = serve.status().applications[app_name]
-    return {name: dep.replica_states.get("RUNNING", 0) for name, dep in app.deployments.items()}
+    status = serve.status().applications
+    return {name: dep.replica_states.get("RUNNING", 0) for app_name in app_names
+            for name, dep in status[app_name].deployments.items()}
 
 
 # Processes by role, from the titles Ray gives its actors' processes ("ray::ProxyActor",
@@ -335,12 +340,12 @@ def run(args) -> dict:
                 label = f"round {round_idx + 1}/{args.rounds}, {case}"
                 first = round_idx == 0 and case == CASES[0]
                 ready_s = deployment.wait_ready() if first else deploy(deployment, case)
-                app_name = PLAIN_APP if case == PLAIN_APP else deployment.app_name
+                app_names = [PLAIN_APP] if case == PLAIN_APP else deployment.applications
                 log(f"{label}: ready after {ready_s:.0f} s, replicas "
-                    f"{replicas_running(app_name)}; warm-up, then {args.duration_s:.0f} s")
+                    f"{replicas_running(app_names)}; warm-up, then {args.duration_s:.0f} s")
                 row, window = measure(deployment, case, label, args)
                 row.update(round=round_idx + 1, ready_s=round(ready_s, 1),
-                           replicas_running=replicas_running(app_name))
+                           replicas_running=replicas_running(app_names))
                 runs.append(row)
                 windows[case] += window
                 log(f"{label}: {json.dumps(row)}")

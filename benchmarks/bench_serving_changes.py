@@ -13,7 +13,8 @@ over:
 2. kill -9 of group-0's vLLM worker: the member restarts in place (with the rebuilt
    coordinator);
 3. `serve deploy` of another `engine_kwargs` value (max_num_seqs 128 -> 64);
-4. `serving.num_peer_groups` 2 -> 3, then 3 -> 2 (with `--scale`; needs a fourth slot);
+4. `serving.num_peer_groups` 2 -> 3, then 3 -> 2 (with `--scale`, in the spare slot): a group
+   application added, then deleted; the other groups' engines must not restart;
 5. traffic stopped, kill -9 of group-0's Serve replica, then `serve shutdown`: what is left.
 
 Writes `benchmarks/results/serving_changes/latest.md` and a line of its `history.jsonl`.
@@ -37,7 +38,7 @@ def run(args) -> dict:
     from engram_ray.local.faults import kill_under_load, reference_answers
     from engram_ray.local.loadgen import LOST, Traffic
     from engram_ray.local.prometheus import free_port_block
-    from engram_ray.local.rollout import roll_under_load
+    from engram_ray.local.rollout import roll_under_load, scale_under_load
     from engram_ray.local.stop_check import kill_then_shut_down
 
     env = environment()  # the code this run imports, whatever lands while it runs
@@ -57,12 +58,13 @@ def run(args) -> dict:
             steps.append(kill_under_load(deployment, traffic, kind, "group-0",
                                          reference=reference))
             log(json.dumps(steps[-1]))
-        changes = [{"serving": {"engine_kwargs": {"max_num_seqs": 64}}}]
-        if args.scale:
-            changes += [{"serving": {"num_peer_groups": 3}}, {"serving": {"num_peer_groups": 2}}]
-        for change in changes:
-            log(f"rolling out {change} under load")
-            steps.append(roll_under_load(deployment, traffic, change, reference=reference))
+        change = {"serving": {"engine_kwargs": {"max_num_seqs": 64}}}
+        log(f"rolling out {change} under load")
+        steps.append(roll_under_load(deployment, traffic, change, reference=reference))
+        log(json.dumps(steps[-1]))
+        for num_groups in (3, 2) if args.scale else ():
+            log(f"num_peer_groups -> {num_groups} under load")
+            steps.append(scale_under_load(deployment, traffic, num_groups, reference=reference))
             log(json.dumps(steps[-1]))
         results = traffic.stop()
         log("kill -9 of group-0's replica, then serve shutdown")
@@ -86,12 +88,17 @@ def markdown(result: dict) -> str:
              f"loopback only. Traffic: {result['concurrency']} clients back to back, streamed "
              f"and not, completions and chat, {result['max_tokens']} tokens; a request is "
              "served only if its client saw finish_reason and [DONE].", "",
-             "| step | requests meanwhile | failed | lost silently | back / rolled out (s) | "
+             "| step | requests meanwhile | failed | lost silently | back / rolled out / done (s) | "
              "per group (s) | same answer |", "| --- " * 7 + "|"]
     for s in result["steps"]:
         if s["kind"] == "rollout":
             what, back = f"serve deploy {json.dumps(s['changes'])}", s["rolled_s"]
             per_group = ", ".join(f"{g} {t}" for g, t in s["groups_rolled_s"].items())
+            failed = s["window_failed"]
+        elif s["kind"] == "scale":
+            what, back = f"serve deploy {json.dumps(s['changes'])}", s["scaled_s"]
+            per_group = ", ".join(f"{g} {'untouched' if same else 'RESTARTED'}"
+                                  for g, same in s["untouched"].items())
             failed = s["window_failed"]
         else:
             what, back, per_group = f"kill -9 {s['kind']}", s["recovered_s"], ""
@@ -117,7 +124,10 @@ def markdown(result: dict) -> str:
               "the member served again (requests sent from its detection). Rollouts: rolled "
               "out = from `serve deploy` until every group served a new generation and no old "
               "gang was left; per group = when each group's new generation served; requests "
-              "= those sent until then. Same answer: complete answers equal to the greedy "
+              "= those sent until then. num_peer_groups: done = from `serve deploy` until "
+              "exactly those groups served and a removed group's application was gone; "
+              "untouched = the group served the same generation before and after (its "
+              "engine never restarted). Same answer: complete answers equal to the greedy "
               "answer from before the first step, token for token."]
     return "\n".join(lines) + "\n"
 
@@ -125,7 +135,8 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", type=int, default=3,
-                        help="engine slots (logical CPUs) for the two engines; 4 with --scale")
+                        help="engine slots (logical CPUs) for the two engines: one spare for "
+                        "the rollout beside them, and for the third group of --scale")
     parser.add_argument("--scale", action="store_true",
                         help="also roll num_peer_groups 2 -> 3 -> 2")
     parser.add_argument("--concurrency", type=int, default=6)
@@ -134,8 +145,6 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8110)
     add_results_argument(parser, "serving_changes")
     args = parser.parse_args()
-    if args.scale and args.slots < 4:
-        parser.error("--scale needs --slots 4 (three groups and one spare slot)")
     result = run(args)
     write_results(args.results, result, markdown(result))
 

@@ -1,7 +1,8 @@
 """`engram-ray check FILE...`: validate deployment files, telling their kind from the content:
 
 - Serve (`serve deploy`) YAML (top-level `applications`): Ray Serve's schema, then every
-  `engram_ray.serve.app:build_app` application's args through the checks `build_app` makes;
+  `engram_ray.serve.app:build_app` application's args through the checks `build_app` makes,
+  and its groups' `build_group` applications (one each, the same settings);
 - `ray up` cluster YAML (top-level `provider`): Ray's autoscaler schema and what engram-ray needs
   on the nodes (engram_ray.serve.cluster_configs);
 - KubeRay manifest (one or more documents, one `kind: RayService`): each RayService's embedded
@@ -72,7 +73,10 @@ def kind_of(docs: list) -> str:
 
 
 def _apps(apps: dict) -> str:
-    return f"application{'s' if len(apps) != 1 else ''} {', '.join(apps)}"
+    """The front doors, each with its groups' applications."""
+    return f"application{'s' if len(apps) != 1 else ''} " + ", ".join(
+        f"{name} + {config.serving.num_peer_groups} group application"
+        f"{'s' if config.serving.num_peer_groups != 1 else ''}" for name, config in apps.items())
 
 
 def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:

@@ -196,6 +196,20 @@ class LocalDeployment:
             serve.delete(name, _blocking=False)
         self._deployed = copy.deepcopy(wanted)
 
+    @property
+    def applications(self) -> list[str]:
+        """The Serve applications it runs: the front door, then the groups'."""
+        return list(self._deployed)
+
+    def delete(self) -> None:
+        """`serve delete` of every application of this deployment (Ray and Serve run on);
+        the coordinator ends with them."""
+        from ray import serve
+
+        for name in self._deployed:
+            serve.delete(name)
+        self._deployed = {}
+
     def wait_ready(self, progress=log) -> float:
         """Block until the application runs and answers; seconds it took."""
         from ray import serve

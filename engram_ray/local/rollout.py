@@ -1,5 +1,7 @@
 """A changed config rolled out under load, measured from the clients' side (issue 28): every
-request sent while it rolls must be answered (`serving.rollout.mode: beside`).
+request sent while it rolls must be answered (`serving.rollout.mode: beside`); a change of
+`serving.num_peer_groups` adds or removes groups and leaves the others' engines running
+(`scale_under_load`).
 
 Used by tests/cpu/local/test_faults.py and benchmarks/bench_serving_changes.py on the local
 deployment (`LocalDeployment.redeploy`).
@@ -46,6 +48,48 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
     return {"kind": "rollout", "changes": changes, "rolled_s": round(done_at - started_at, 1),
             "groups_rolled_s": rolled, "requests": len(results),
             "window_requests": len(window), "window_failed": sum(not r.ok for r in window),
+            "lost_silently": sum(r.outcome == LOST for r in results),
+            "failed_visibly": sum(r.outcome == FAILED for r in results),
+            "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],
+            **compare_answers(results, reference)}
+
+
+def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: float = 3.0,
+                     timeout_s: float = 600.0, reference: dict[bool, str] | None = None) -> dict:
+    """Deploy `serving.num_peer_groups: num_groups` while `traffic` runs and wait until
+    exactly those groups serve and the applications of removed groups are gone: every request
+    sent meanwhile, how many failed (must be 0), seconds until then (`scaled_s`), and whether
+    the groups kept from before still serve the generation they served (`untouched`: their
+    engines were not restarted)."""
+    from ray import serve
+
+    from engram_ray.serve.app import group_app_name
+
+    name = deployment.config.deployment.name
+    before = {g: r["generation"] for g, r in routing(name).items()}
+    wanted = {f"group-{i}" for i in range(num_groups)}
+    first, started_at = len(traffic.results), time.monotonic()
+    deployment.redeploy({"serving": {"num_peer_groups": num_groups}})
+    deadline = started_at + timeout_s
+    while time.monotonic() < deadline:
+        table = routing(name)
+        apps = serve.status().applications
+        if set(table) == wanted and all(r["serving"] for r in table.values()) and not any(
+                group_app_name(name, g) in apps for g in set(before) - wanted):
+            break
+        time.sleep(0.5)
+    else:
+        raise TimeoutError(f"num_peer_groups {num_groups} did not take effect within "
+                           f"{timeout_s:.0f} s: {routing(name)}")
+    done_at = time.monotonic()
+    time.sleep(settle_s)
+    results = traffic.results[first:]
+    window = [r for r in results if r.started_at <= done_at]
+    return {"kind": "scale", "changes": {"serving": {"num_peer_groups": num_groups}},
+            "scaled_s": round(done_at - started_at, 1),
+            "untouched": {g: table[g]["generation"] == before[g] for g in wanted & set(before)},
+            "requests": len(results), "window_requests": len(window),
+            "window_failed": sum(not r.ok for r in window),
             "lost_silently": sum(r.outcome == LOST for r in results),
             "failed_visibly": sum(r.outcome == FAILED for r in results),
             "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],

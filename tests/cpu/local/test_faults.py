@@ -157,6 +157,32 @@ def test_a_changed_config_rolls_out_group_by_group_and_every_request_is_answered
     assert sum(r.ok for r in results) == len(results)
 
 
+def test_num_peer_groups_up_and_down_adds_and_removes_a_group_and_leaves_the_others(
+        deployment):
+    """num_peer_groups 2 -> 3 -> 2 under load: group-2's application starts in the spare
+    slot and is deleted again; group-0 and group-1 serve the same generation throughout
+    (their engines never restart: each group is a Serve application of its own) and not one
+    request fails."""
+    from engram_ray.local.faults import reference_answers
+    from engram_ray.local.rollout import scale_under_load
+
+    traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=6,
+                      max_tokens=32).start()
+    try:
+        time.sleep(3.0)
+        reference = reference_answers(traffic.results)
+        steps = [scale_under_load(deployment, traffic, n, reference=reference) for n in (3, 2)]
+    finally:
+        results = traffic.stop()
+    for step in steps:
+        print(step)
+        assert step["window_requests"] > 0 and step["window_failed"] == 0, step
+        assert step["lost_silently"] == 0 and step["failed_visibly"] == 0, step
+        assert step["answers_differing"] == 0, step
+        assert step["untouched"] == {"group-0": True, "group-1": True}, step
+    assert sum(r.ok for r in results) == len(results)
+
+
 def test_after_a_kill_9_and_serve_shutdown_nothing_of_the_deployment_is_left(deployment):
     """kill -9 of a Serve replica (its gang restarts), then `serve shutdown` as an operator
     runs it: no engine process, shared-memory segment or semaphore, listening metrics port,

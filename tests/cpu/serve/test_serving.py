@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engram_ray.errors import EngramRayError
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
 from engram_ray.serve.app import engine_kwargs, llm_config, server_class
 from engram_ray.serve.cluster_configs import load_serve_config
@@ -107,7 +108,6 @@ def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_reconfi
     refused naming the setting that cannot roll."""
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import get_coordinator
-    from engram_ray.errors import EngramRayError
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "redeploy")
     groups = {"group-0": "node-a"}
@@ -233,6 +233,20 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     (group_args,) = group_applications(raw).values()
     assert group_args["group"] == "group-0"
     assert not {"num_peer_groups", "ingress", "request_limits"} & set(group_args["serving"])
+    # A group the front door did not place, or run with other settings: refused, saying why.
+    from engram_ray.actors.coordinator_lookup import group_domain
+    from engram_ray.serve.config import ServeAppConfig
+
+    config = ServeAppConfig.from_dict(raw).to_dict()
+    placed = ray.get(find_coordinator("built").status.remote())["group-0"]["domain"]
+    assert group_domain(config, "group-0", "built", 1.0) == placed
+    with pytest.raises(EngramRayError, match=r"^group-1 of deployment 'built' waited 1 s for its "
+                       r"front door \(the coordinator has groups \['group-0'\]\): deploy the "
+                       "application with import_path engram_ray.serve.app:build_app"):
+        group_domain(config, "group-1", "built", 1.0)
+    config["serving"]["engine_kwargs"]["max_num_seqs"] = 64
+    with pytest.raises(EngramRayError, match="and other values of serving.engine_kwargs"):
+        group_domain(config, "group-0", "built", 1.0)
     ray.kill(find_coordinator("built"))
 
 
