@@ -87,7 +87,8 @@ def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: fl
     window = [r for r in results if r.started_at <= done_at]
     return {"kind": "scale", "changes": {"serving": {"num_peer_groups": num_groups}},
             "scaled_s": round(done_at - started_at, 1),
-            "untouched": {g: table[g]["generation"] == before[g] for g in wanted & set(before)},
+            "untouched": {g: table[g]["generation"] == before[g]
+                          for g in sorted(wanted & set(before))},
             "requests": len(results), "window_requests": len(window),
             "window_failed": sum(not r.ok for r in window),
             "lost_silently": sum(r.outcome == LOST for r in results),

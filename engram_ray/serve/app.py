@@ -164,10 +164,11 @@ def build_front_door(args: dict, server_cls=None):
 
 def build_group_app(args: dict, server_cls=None):
     """`build_group` with the engine class replaced by `server_cls` (tests)."""
+    from ray.serve.llm import build_llm_deployment
+
     from engram_ray.actors.coordinator_lookup import group_domain
     from engram_ray.actors.placement import discover_domains, gang_options
     from engram_ray.serve.member_router import ROUTER_PATH
-    from ray.serve.llm import build_llm_deployment
 
     args = dict(args)
     group_id = args.pop("group", None)

@@ -1,7 +1,8 @@
 """Shared memory of a replica's vLLM engine: the ring buffers (/dev/shm/psm_*, up to hundreds of
 MiB each) that vLLM's executor and workers create. Ray Serve LLM does not shut the engine down
 with its replica, and a killed engine cannot, so these files outlive the run. A replica records
-the segments its engine maps once it runs (`record_segments`) and releases them when it stops;
+the segments its engine maps while it starts (`recording_segments`) and once it runs
+(`record_segments`), and releases them when it stops;
 the local deployment releases every recorded segment when it starts and stops
 (`release_recorded`). A segment that a live process still maps or holds open is never removed.
 
@@ -19,17 +20,20 @@ then links it) under a deleted temporary name, so users are found by inode, not 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import re
 import stat
+import threading
 import time
 from pathlib import Path
 
 from engram_ray.private_dirs import PROJECT_TMP, private_dir
 
 RECORDS = Path(PROJECT_TMP, "engine-shm")
+STARTING_RECORD_EVERY_S = 0.5  # while an engine starts (`recording_segments`)
 # psm_ + token_hex (multiprocessing.shared_memory._make_filename): nothing else, no "/" or "..".
 SEGMENT_NAME = re.compile(r"/dev/shm/psm_[0-9a-f]{8,32}")
 # sem.mp- + 8 of [a-z0-9_] (multiprocessing.synchronize.SemLock._make_name, as glibc stores it)
@@ -176,6 +180,29 @@ def record_segments(owner: str, pid: int | None = None) -> Path:
         partial.write_text(json.dumps(sorted(fresh)))
         os.replace(partial, record)
     return record
+
+
+@contextlib.contextmanager
+def recording_segments(owner: str, period_s: float = STARTING_RECORD_EVERY_S):
+    """While the body runs (an engine starting), record the segments this process's tree maps
+    every `period_s` (`record_segments`), from a thread: Ray Serve LLM makes the engine on the
+    replica's event loop, blocking it. vLLM makes its ring buffers before the engine serves,
+    and an engine that dies while it starts (a worker killed, a failed load) would otherwise
+    leave them unrecorded, so that nothing ever released them."""
+    done = threading.Event()
+
+    def record() -> None:
+        while True:
+            record_segments(owner)
+            if done.wait(period_s):
+                return
+
+    thread = threading.Thread(target=record, name="engram-shm-record", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def release_segments(paths: list[str]) -> list[str]:

@@ -160,6 +160,7 @@ class MemberRestartMixin:
     async def _restart_engine(self) -> dict[str, float]:
         """Stop the dead engine and start a new one; seconds per step."""
         from engram_ray.serve.engine_death import EngineWatch
+        from engram_ray.serve.engine_shm import recording_segments
 
         phases, since = {}, time.monotonic()
 
@@ -172,17 +173,18 @@ class MemberRestartMixin:
         step("reap")
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
-        self.engine = await _engine_started_off_the_loop(self._engine_cls, self._llm_config,
-                                                         step)
-        try:
-            await self._start_engine()
-            await self._engine_started()
-        except BaseException:
-            # Nothing of a half-started engine may keep memory or the metrics port.
-            self._engine_processes = EngineProcesses(getattr(self.engine, "_engine_client",
-                                                             None))
-            await self._stop_engine()
-            raise
+        with recording_segments(self._replica_id):  # a death while starting too
+            self.engine = await _engine_started_off_the_loop(self._engine_cls,
+                                                             self._llm_config, step)
+            try:
+                await self._start_engine()
+                await self._engine_started()
+            except BaseException:
+                # Nothing of a half-started engine may keep memory or the metrics port.
+                self._engine_processes = EngineProcesses(getattr(self.engine,
+                                                                 "_engine_client", None))
+                await self._stop_engine()
+                raise
         step("serving")
         return phases
 

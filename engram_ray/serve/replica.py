@@ -45,7 +45,8 @@ from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, m
 from engram_ray.planning.assignment import deaths_dir
 from engram_ray.serve.coordinator_link import CoordinatorLinkMixin
 from engram_ray.serve.engine_death import EngineDiedError, EngineWatch
-from engram_ray.serve.engine_shm import record_segments, release_leftovers
+from engram_ray.serve.engine_shm import (record_segments, recording_segments,
+                                         release_leftovers)
 from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
 from engram_ray.serve.stat_logger import EngramStatLogger
 from engram_ray.serve.member_restart import MemberRestartMixin, end_engine, own_actor
@@ -126,7 +127,7 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
         context = serve.get_replica_context()
         if context.gang_context is None:
             raise EngramRayError("an engram-ray engine runs only in a peer-group gang "
-                                 "(engram_ray.serve.app:build_app sets gang_scheduling_config)")
+                                 "(engram_ray.serve.app:build_group sets gang_scheduling_config)")
         return (context.replica_id.unique_id, context.gang_context,
                 ray.get_runtime_context().get_node_labels() or {})
 
@@ -171,7 +172,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
                                     self._target_labels("replica"))
         self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
             app.deployment.peer_group_store, app.deployment.name))
-        await super().start()
+        with recording_segments(self._replica_id):  # a death while starting too
+            await super().start()
 
     def _engine_death(self, phase: str):
         """The engine's death (`engine_death.EngineDeath`) if its processes or log show one;

@@ -465,7 +465,11 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_starts_clean_and_stops_on_sigterm
 def test_worker_dying_before_ready_is_reported_in_one_line(tmp_path):
     """A vLLM worker killed by SIGILL while its engine starts (what an AMX CPU did to workers
     that had not requested the tile state): one line with the engine and its cause, exit code
-    2, no traceback, everything stopped and removed."""
+    2, no traceback, everything stopped and removed (the ring buffers the engine made before
+    it died included: the replica records them while the engine starts)."""
+    from engram_ray.serve.engine_shm import processes_using
+
+    segments_before = set(Path("/dev/shm").glob("psm_*"))
     run = Local(tmp_path, "--once")
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -487,3 +491,5 @@ def test_worker_dying_before_ready_is_reported_in_one_line(tmp_path):
     assert "stopping: Serve, Ray" in err
     assert not list(Path("/dev/shm").glob("engram-ray-local-*"))
     assert not (run.workdir / "store" / "local").exists()
+    left = [str(p) for p in set(Path("/dev/shm").glob("psm_*")) - segments_before]
+    assert not [p for p in left if not processes_using([p])], left

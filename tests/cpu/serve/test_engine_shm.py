@@ -58,6 +58,33 @@ def test_segments_of_a_process_tree_are_found_recorded_and_released_once_unused(
     assert not os.path.exists(path) and not record.exists()
 
 
+def test_an_engine_that_dies_while_it_starts_leaves_its_segments_recorded(tmp_path,
+                                                                         monkeypatch):
+    """The replica records while the engine starts (`recording_segments`, from a thread: the
+    start blocks the replica's event loop): the segment of an engine process that made it and
+    was killed before the engine served is recorded, and released by the next start or stop
+    on the node."""
+    import time
+
+    monkeypatch.setattr(engine_shm, "RECORDS", tmp_path / "records")
+    with engine_shm.recording_segments("replica-2", period_s=0.1):
+        proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                                text=True)
+        path = proc.stdout.readline().strip()
+        time.sleep(0.5)  # the engine loads, blocking (a few record periods)
+        proc.kill()  # a worker dies: the engine's start fails, nothing cleans up
+        proc.wait()
+        proc.stdout.close()
+    try:
+        assert os.path.exists(path)
+        assert path in json.loads((engine_shm.RECORDS / "replica-2.json").read_text())
+        assert engine_shm.release_recorded() == []
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_an_unreadable_record_is_dropped_and_segments_of_others_stay(child, tmp_path):
     proc, path = child
     engine_shm.RECORDS.mkdir(mode=0o700)
