@@ -1,5 +1,5 @@
 """`engram-ray config schema`: the JSON schema of a Serve application's `args` (`deployment`,
-`serving`), made from the config models (`engram_ray.serve.config.ServeAppConfig`): every
+`serving`, and a group application's `group`), made from the config models (`engram_ray.serve.config.ServeAppConfig`): every
 setting with its type, bounds, default and description, unknown keys refused. Point an editor's
 YAML support at it (completion and checks while typing), e.g.
 
@@ -30,7 +30,13 @@ def run(args) -> int:
 
 
 def app_args_schema() -> dict:
+    """`ServeAppConfig`'s schema, plus the `group` a group application's args carry
+    (`engram_ray.serve.app.group_args`)."""
     from engram_ray.serve.config import ServeAppConfig
 
     schema = ServeAppConfig.model_json_schema()
+    schema["properties"]["group"] = {
+        "type": "string", "pattern": "^group-[0-9]+$",
+        "description": "the peer group of a group application (engram_ray.serve.app:build_group"
+                       "), group-<i>; not in the front door's (build_app) args"}
     return {"$schema": SCHEMA_DIALECT, **schema, "title": "engram-ray Serve application args"}

@@ -37,7 +37,7 @@ def schema():
 
 def test_schema_names_every_section_and_description(schema):
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert set(schema["properties"]) == {"deployment", "serving"}
+    assert set(schema["properties"]) == {"deployment", "serving", "group"}
     defs = schema["$defs"]
     assert {"DeploymentConfig", "ServingConfig", "RequestLimits", "IngressConfig"} <= set(defs)
     for name, section in defs.items():
@@ -56,7 +56,10 @@ def test_schema_passes_the_projects_serve_yamls_and_fails_a_typo(schema):
     assert len(checked) >= 4
     for name, args in checked:
         assert not [e.message for e in validator.iter_errors(args)], name
+    assert any("group" in args for _, args in checked)  # the groups' applications too
     errors = [e.message for e in validator.iter_errors(
-        {"deployment": {"peer_group_sise": 8}, "serving": {"ingress": {"num_replicas": 0}}})]
+        {"deployment": {"peer_group_sise": 8}, "serving": {"ingress": {"num_replicas": 0}},
+         "group": "first"})]
+    assert any("does not match '^group-[0-9]+$'" in e for e in errors), errors
     assert any("'peer_group_sise' was unexpected" in e for e in errors), errors
     assert any("less than the minimum of 1" in e for e in errors), errors

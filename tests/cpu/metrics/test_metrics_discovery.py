@@ -60,7 +60,8 @@ def test_ports_are_checked_in_the_config():
     from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
 
     data = copy.deepcopy(read_yaml(CONFIGS / "serve_local_tiny.yaml"))
-    data["applications"][0]["args"]["serving"]["metrics_port"] = 9500
+    for app in data["applications"]:  # the front door's and the group's (one anchor)
+        app["args"]["serving"]["metrics_port"] = 9500
     (app,) = check_serve_config(data, "local.yaml").values()
     assert app.deployment.peer_group_size == 2 and app.serving.metrics_port == 9500
 
