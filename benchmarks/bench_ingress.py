@@ -34,10 +34,10 @@ answered request: the ingress replicas, the engine replica with its vLLM process
 proxy, the coordinator, the clients, the whole host. On cores shared by all of them, CPU an
 ingress spends is taken from the engine; these figures show it where req/s is too noisy to.
 
-Why one app at a time, deployed afresh per case: three engines at once would share the 2
-cores and most of the memory (about 4.5 GB each); and `LocalDeployment.redeploy` of another
-`serving.ingress` on the running app rolls out a new engine gang anyway (the app's config is
-the engines' too), with a rollout's machinery in the way. Delete and deploy gives every case
+Why one case at a time, deployed afresh: three engines at once would share the 2 cores and
+most of the memory (about 4.5 GB each); and a case changed in place would keep the engine
+warmed by the case before it (`serving.ingress` is the front door's own setting: a redeploy
+replaces only the ingress). Delete and deploy gives every case
 the same start (a fresh engine, the same warm-up) in one Ray instance, and rounds interleave
 the cases (A B C A B C) so that drift of a shared machine falls on all of them.
 
