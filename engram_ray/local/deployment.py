@@ -58,12 +58,10 @@ class LocalDeployment:
     """start() -> wait_ready() -> complete() / metrics_text() ... -> stop() (idempotent)."""
 
     def __init__(self, options: LocalOptions):
-        from engram_ray.serve.cluster_configs import read_yaml
+        from engram_ray.serve.cluster_configs import APP_IMPORT_PATH, read_yaml
 
         self.options = opts = options
         self.model_dir = os.path.join(opts.workdir, "tiny-model")
-        from engram_ray.serve.cluster_configs import APP_IMPORT_PATH
-
         doc = read_yaml(serve_yaml_path())
         # The front door's args; the group applications' are made from them (`_deploy`).
         app = next(a for a in doc["applications"] if a["import_path"] == APP_IMPORT_PATH)
@@ -97,14 +95,10 @@ class LocalDeployment:
     def serve_doc(self) -> dict:
         """The Serve config this deployment runs: the front door and its groups'
         applications (what `serve deploy` of the YAML with these args would run)."""
-        from engram_ray.serve.app import group_applications
-        from engram_ray.serve.cluster_configs import GROUP_IMPORT_PATH
+        from engram_ray.serve.cluster_configs import group_app_configs
 
         door = self.doc["applications"][0]
-        return {**self.doc, "applications": [door] + [
-            {"name": name, "route_prefix": None, "import_path": GROUP_IMPORT_PATH,
-             "runtime_env": door.get("runtime_env"), "args": args}
-            for name, args in group_applications(self.args).items()]}
+        return {**self.doc, "applications": [door] + group_app_configs(door)}
 
     # --- life cycle ----------------------------------------------------------------------
     def clean_stale(self, refuse_live: bool = True) -> None:

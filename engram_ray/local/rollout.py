@@ -42,16 +42,9 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
         raise TimeoutError(f"the change did not roll out within {timeout_s:.0f} s: "
                            f"{routing(name)}")
     done_at = time.monotonic()
-    time.sleep(settle_s)
-    results = traffic.results[first:]
-    window = [r for r in results if r.started_at <= done_at]
     return {"kind": "rollout", "changes": changes, "rolled_s": round(done_at - started_at, 1),
-            "groups_rolled_s": rolled, "requests": len(results),
-            "window_requests": len(window), "window_failed": sum(not r.ok for r in window),
-            "lost_silently": sum(r.outcome == LOST for r in results),
-            "failed_visibly": sum(r.outcome == FAILED for r in results),
-            "errors": sorted({r.error[:120] for r in results if not r.ok})[:6],
-            **compare_answers(results, reference)}
+            "groups_rolled_s": rolled,
+            **_clients_saw(traffic, first, done_at, settle_s, reference)}
 
 
 def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: float = 3.0,
@@ -82,14 +75,22 @@ def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: fl
         raise TimeoutError(f"num_peer_groups {num_groups} did not take effect within "
                            f"{timeout_s:.0f} s: {routing(name)}")
     done_at = time.monotonic()
-    time.sleep(settle_s)
-    results = traffic.results[first:]
-    window = [r for r in results if r.started_at <= done_at]
     return {"kind": "scale", "changes": {"serving": {"num_peer_groups": num_groups}},
             "scaled_s": round(done_at - started_at, 1),
             "untouched": {g: table[g]["generation"] == before[g]
                           for g in sorted(wanted & set(before))},
-            "requests": len(results), "window_requests": len(window),
+            **_clients_saw(traffic, first, done_at, settle_s, reference)}
+
+
+def _clients_saw(traffic: Traffic, first: int, done_at: float, settle_s: float,
+                 reference: dict[bool, str] | None) -> dict:
+    """What the clients saw of a change, after `settle_s` more: the requests from result
+    `first` on, those sent until `done_at` (the window) and how many of them failed, the
+    failures by kind, and the answers compared with `reference`."""
+    time.sleep(settle_s)
+    results = traffic.results[first:]
+    window = [r for r in results if r.started_at <= done_at]
+    return {"requests": len(results), "window_requests": len(window),
             "window_failed": sum(not r.ok for r in window),
             "lost_silently": sum(r.outcome == LOST for r in results),
             "failed_visibly": sum(r.outcome == FAILED for r in results),

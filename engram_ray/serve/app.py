@@ -198,8 +198,9 @@ def build_group_app(args: dict, server_cls=None):
 def engram_applications(args: dict, app_name: str, route_prefix: str = "/",
                         server_cls=None) -> list[tuple[str, str | None, object]]:
     """[(application name, route prefix, Serve application)] of a deployment started with
-    `serve.run` (the local deployment, tests): the front door first (its build sets the
-    coordinator up), then every group's. `serve deploy` builds the same from the YAML."""
+    `serve.run` (tests; the local deployment runs only the changed ones): the front door first
+    (its build sets the coordinator up), then every group's. `serve deploy` builds the same
+    from the YAML."""
     apps = [(app_name, route_prefix, build_front_door(args, server_cls))]
     for name, group in group_applications(args).items():
         apps.append((name, None, build_group_app(group, server_cls)))

@@ -92,11 +92,22 @@ def check_group_applications(applications, source: str) -> None:
             if app.runtime_env != door.runtime_env:
                 raise ConfigError(f"{where}.runtime_env", f"differs from the front door "
                                   f"{door.name!r}'s (its engines run in it)", shape)
-    for name, (idx, app) in groups.items():
+    if groups:
+        name, (idx, app) = next(iter(groups.items()))
         raise ConfigError(f"{source}: applications[{idx}]", f"is group application {name!r} "
                           "of no front door (no build_app application's serving.num_peer_groups"
                           " and deployment.name count it)", "remove it, or raise the front "
                           "door's serving.num_peer_groups")
+
+
+def group_app_configs(door: dict, import_path: str = GROUP_IMPORT_PATH) -> list[dict]:
+    """The Serve config entries of the groups' applications of the front door entry `door`
+    (what `check_group_applications` wants; `import_path`: another builder, tests)."""
+    from engram_ray.serve.app import group_applications
+
+    return [{"name": name, "route_prefix": None, "import_path": import_path,
+             "runtime_env": door.get("runtime_env"), "args": args}
+            for name, args in group_applications(door["args"]).items()]
 
 
 def load_serve_config(path: str | Path) -> dict[str, ServeAppConfig]:

@@ -275,17 +275,14 @@ def _serve_deploy(tmp_path, name: str, args: dict) -> list[dict]:
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
-    from engram_ray.serve.app import group_applications
+    from engram_ray.serve.cluster_configs import group_app_configs
 
     tests_dir = str(Path(__file__).resolve().parents[2])
-    runtime_env = {"env_vars": {"PYTHONPATH": f"{tests_dir}:${{PYTHONPATH}}"}}
-    serve_start().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
-        "name": name, "route_prefix": f"/{name}",
-        "import_path": "support.recording_server:build_recording_app", "args": args,
-        "runtime_env": runtime_env}] + [{
-            "name": group_app, "route_prefix": None, "runtime_env": runtime_env,
-            "import_path": "support.recording_server:build_recording_group", "args": group}
-            for group_app, group in group_applications(args).items()]}))
+    door = {"name": name, "route_prefix": f"/{name}", "args": args,
+            "import_path": "support.recording_server:build_recording_app",
+            "runtime_env": {"env_vars": {"PYTHONPATH": f"{tests_dir}:${{PYTHONPATH}}"}}}
+    groups = group_app_configs(door, "support.recording_server:build_recording_group")
+    serve_start().deploy_apps(ServeDeploySchema.model_validate({"applications": [door, *groups]}))
     _wait_running(name)
     return _records(tmp_path)
 

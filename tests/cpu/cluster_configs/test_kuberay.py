@@ -125,7 +125,7 @@ def test_serve_config_passes_rays_schema_and_build_apps_checks(manifest):
 
 def test_serve_config_is_the_projects(manifest):
     """The embedded app is serve_deepseek_v41_flash.yaml's, up to the listed K8s overrides."""
-    from engram_ray.serve.app import group_applications
+    from engram_ray.serve.cluster_configs import group_app_configs
 
     path, docs = manifest
     ours = yaml.safe_load(rayservice(docs)["spec"]["serveConfigV2"])
@@ -133,10 +133,7 @@ def test_serve_config_is_the_projects(manifest):
     door = base["applications"][0]
     for (section, key), value in K8S_OVERRIDES[path.name].items():
         door["args"][section][key] = value
-    base["applications"] = [door] + [  # and its groups' applications
-        {"name": name, "route_prefix": None, "import_path": "engram_ray.serve.app:build_group",
-         "runtime_env": door["runtime_env"], "args": args}
-        for name, args in group_applications(door["args"]).items()]
+    base["applications"] = [door] + group_app_configs(door)  # and its groups' applications
     assert ours == base
 
 
