@@ -19,6 +19,8 @@ settings (`serving.ingress.num_replicas` 2), at least 90% of the requests per se
                llm_config`: engine kwargs with eager mode and no prefix caching, the bundle,
                health checks, max_ongoing_requests) less its engram settings; its ingress as
                Ray Serve LLM builds it (one replica) at num_cpus 0, as the engram ingress
+    plain-2    the same with two ingress replicas (`ingress_deployment_config`): what a
+               second replica of Ray's own ingress costs on these cores
 
 How: `LocalDeployment.start` makes the tiny model, starts Ray on 127.0.0.1 once and deploys
 the engram app (one peer group of one engine); then, round after round (`--rounds`), each case
@@ -44,9 +46,10 @@ the cases (A B C A B C) so that drift of a shared machine falls on all of them.
 Figures are end to end: Serve's proxy, the ingress, the engine replica and the engine, with the
 clients on the same cores. The engines of `plain` and the others differ in where the Engram
 table lives (the engram engine: a peer-group slice in shared memory, its lookups timed for its
-metrics; the plain one: whole in the engine process, filled by vLLM's weight loading), so two
-comparisons are reported: each engram case against `ray-ingress` (the same engine and router
-behind either ingress: the ingress's cost) and against `plain` (the whole stack).
+metrics; the plain one: whole in the engine process, filled by vLLM's weight loading), so each
+engram case is compared with `ray-ingress` (the same engine and router behind either ingress:
+the ingress's cost), with `plain` (the whole stack: the issue's target) and with `plain-2`
+(the whole stack, each with two ingress replicas).
 
 Writes `benchmarks/results/ingress/latest.md` and a line of its `history.jsonl` (`--results
 DIR` elsewhere); `--quick` (one short round) only prints its table: a smoke run, not a result.
@@ -66,18 +69,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import add_results_argument, environment, write_results  # noqa: E402
 
-CASES = ("engram-2", "engram-1", "ray-ingress", "plain")
+CASES = ("engram-2", "engram-1", "ray-ingress", "plain", "plain-2")
 ENGRAM_INGRESS_REPLICAS = {"engram-2": None, "engram-1": 1}  # None: the config's default
+PLAIN_INGRESS_REPLICAS = {"plain": None, "plain-2": 2}  # None: build_openai_app's default
 RAY_INGRESS, PLAIN_APP = "ray-ingress", "plain"
-BASELINES = (RAY_INGRESS, PLAIN_APP)  # what the engram cases are compared with
+BASELINES = (RAY_INGRESS, *PLAIN_INGRESS_REPLICAS)  # what the engram cases are compared with
 MIN_RPS_RATIO, MAX_P50_RATIO = 0.90, 1.05  # issue 28's targets
 KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (chat, stream)
          for chat in (False, True) for stream in (False, True)}
 CLEANUP_TIMEOUT_S = 120.0
 
 
-def plain_app(deployment):
-    """`build_openai_app` of the engram engine's LLMConfig without its engram settings."""
+def plain_app(deployment, ingress_replicas: int | None = None):
+    """`build_openai_app` of the engram engine's LLMConfig without its engram settings (its
+    ingress with `ingress_replicas`, or as Ray Serve LLM builds it)."""
     from ray.serve.llm import LLMConfig, build_openai_app
 
     from engram_ray.planning.grouping import Domain, PeerGroupPlan
@@ -91,8 +96,10 @@ def plain_app(deployment):
                        deployment_config=dict(engram.deployment_config),
                        placement_group_config=dict(engram.placement_group_config),
                        log_engine_metrics=engram.log_engine_metrics)
-    return build_openai_app({"llm_configs": [config],
-                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+    ingress = {"ray_actor_options": {"num_cpus": 0}}
+    if ingress_replicas is not None:
+        ingress["num_replicas"] = ingress_replicas
+    return build_openai_app({"llm_configs": [config], "ingress_deployment_config": ingress})
 
 
 def ray_ingress(config, engines: dict, deployment_name: str):
@@ -137,7 +144,8 @@ def deploy(deployment, case: str) -> float:
         return deployment.wait_ready()
     log(f"deploying {case}: ray.serve.llm.build_openai_app")
     # As LocalDeployment deploys: _run(_blocking=False) returns at once, so progress can show.
-    _run(plain_app(deployment), _blocking=False, name=PLAIN_APP, route_prefix="/")
+    _run(plain_app(deployment, PLAIN_INGRESS_REPLICAS[case]), _blocking=False, name=PLAIN_APP,
+         route_prefix="/")
     return wait_running(PLAIN_APP, deployment.url, deployment.options.startup_timeout_s)
 
 
@@ -179,7 +187,7 @@ def remove(deployment, case: str) -> None:
     from engram_ray.local.deployment import log
 
     started = time.monotonic()
-    if case == PLAIN_APP:
+    if case in PLAIN_INGRESS_REPLICAS:
         serve.delete(PLAIN_APP)
         return
     deployment.delete()  # the front door and the groups' applications
@@ -340,7 +348,8 @@ def run(args) -> dict:
                 label = f"round {round_idx + 1}/{args.rounds}, {case}"
                 first = round_idx == 0 and case == CASES[0]
                 ready_s = deployment.wait_ready() if first else deploy(deployment, case)
-                app_names = [PLAIN_APP] if case == PLAIN_APP else deployment.applications
+                app_names = ([PLAIN_APP] if case in PLAIN_INGRESS_REPLICAS
+                             else deployment.applications)
                 log(f"{label}: ready after {ready_s:.0f} s, replicas "
                     f"{replicas_running(app_names)}; warm-up, then {args.duration_s:.0f} s")
                 row, window = measure(deployment, case, label, args)
@@ -405,7 +414,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {case} | " + " | ".join(str(cpu[role]) for role in roles)
                      + f" | {share} |")
     what = {RAY_INGRESS: "the same engine and router behind Ray Serve LLM's ingress: the "
-                         "ingress's cost", PLAIN_APP: "build_openai_app: the whole stack"}
+                         "ingress's cost", PLAIN_APP: "build_openai_app: the whole stack",
+            "plain-2": "build_openai_app with two ingress replicas"}
     for base, comparison in result["comparison"].items():
         lines += ["", f"Against `{base}` ({what[base]}; all rounds together; target: req/s "
                   f"ratio >= {MIN_RPS_RATIO}, p50 ratio <= {MAX_P50_RATIO}, no failed "

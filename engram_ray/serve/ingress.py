@@ -113,7 +113,8 @@ class GroupRouting:
         version = -1
         while True:
             try:
-                coordinator = find_coordinator(self.deployment_name)
+                # A lookup in the GCS, off the event loop the replica's requests share.
+                coordinator = await asyncio.to_thread(find_coordinator, self.deployment_name)
                 while True:
                     seen = version
                     version, table = await coordinator.routing.remote(version, ROUTING_POLL_S)

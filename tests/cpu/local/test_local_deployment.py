@@ -190,6 +190,25 @@ def test_openai_completions_chat_and_streaming(local):
     assert len(chunks) >= 2
 
 
+def test_each_ingress_replica_runs_the_ingress_on_its_own_event_loop(local):
+    """Both ingress replicas of the default settings carry Serve's settings that run the
+    ingress and its router on the replica's event loop (`app.INGRESS_ENV_VARS`); the engines
+    do not (their replica's loop is blocked while vLLM starts)."""
+    import psutil
+
+    from engram_ray.serve.app import INGRESS_ENV_VARS
+
+    titles = {p: " ".join(p.info["cmdline"] or [""]).split(" ")[0]
+              for p in psutil.process_iter(["cmdline"])}
+    ingress = [p for p, title in titles.items() if "PeerGroupIngress" in title]
+    engines = [p for p, title in titles.items() if "EngramLLMServer" in title]
+    assert len(ingress) == 2 and len(engines) == 2, titles
+    for process in ingress:
+        assert {k: process.environ().get(k) for k in INGRESS_ENV_VARS} == INGRESS_ENV_VARS
+    for process in engines:
+        assert not set(INGRESS_ENV_VARS) & set(process.environ())
+
+
 MALFORMED = [
     ("bad JSON", b'{"model": "engram-tiny", "prompt": '),
     ("unknown model", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
