@@ -41,7 +41,10 @@ most of the memory (about 4.5 GB each); and a case changed in place would keep t
 warmed by the case before it (`serving.ingress` is the front door's own setting: a redeploy
 replaces only the ingress). Delete and deploy gives every case
 the same start (a fresh engine, the same warm-up) in one Ray instance, and rounds interleave
-the cases (A B C A B C) so that drift of a shared machine falls on all of them.
+the cases, rotated by one each round (A B C, B C A), so that drift of a shared machine and a
+case's place in its round fall on all of them. The first measurement gets `--settle-s` more
+seconds of load: it follows Ray's start and the tiny model's making, and in 4 of the first 6
+runs (one order, always engram-2 first) the first case of round 1 was the slowest of its round.
 
 Figures are end to end: Serve's proxy, the ingress, the engine replica and the engine, with the
 clients on the same cores. The engines of `plain` and the others differ in where the Engram
@@ -267,8 +270,10 @@ def cpu_seconds(procs: dict[str, list]) -> dict[str, float]:
     return used
 
 
-def measure(deployment, case: str, label: str, args) -> tuple[dict, list]:
-    """Warm-up, then the closed-loop load: (figures, the requests that ended in the window)."""
+def measure(deployment, case: str, label: str, args, settle_s: float = 0.0
+            ) -> tuple[dict, list]:
+    """Warm-up, then the closed-loop load: (figures, the requests that ended in the window);
+    `settle_s` more seconds of load before the window."""
     from engram_ray.local.deployment import log
     from engram_ray.local.loadgen import Traffic
     from engram_ray.local.warmup import warm_up
@@ -277,7 +282,7 @@ def measure(deployment, case: str, label: str, args) -> tuple[dict, list]:
     warmup = warm_up(deployment.url, deployment.model_id, num_engines=2)
     traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=args.concurrency,
                       max_tokens=args.max_tokens).start()
-    time.sleep(args.warmup_s)
+    time.sleep(args.warmup_s + settle_s)
     load_before = os.getloadavg()[0]
     procs = role_processes()
     cpu_before = cpu_seconds(procs)
@@ -333,6 +338,12 @@ def ratios(case: dict, plain: dict) -> dict:
                     and not case["failed"] and not plain["failed"])}
 
 
+def round_orders(rounds: int) -> list[tuple[str, ...]]:
+    """The cases of each round, rotated by one per round (round 2 starts with the second case):
+    no case always runs first or last."""
+    return [CASES[i % len(CASES):] + CASES[:i % len(CASES)] for i in range(rounds)]
+
+
 def run(args) -> dict:
     from engram_ray.local.deployment import LocalDeployment, LocalOptions, log
 
@@ -343,8 +354,8 @@ def run(args) -> dict:
     runs, windows = [], {case: [] for case in CASES}
     try:
         deployment.start()  # deploys the first case, engram-2
-        for round_idx in range(args.rounds):
-            for case in CASES:
+        for round_idx, order in enumerate(round_orders(args.rounds)):
+            for case in order:
                 label = f"round {round_idx + 1}/{args.rounds}, {case}"
                 first = round_idx == 0 and case == CASES[0]
                 ready_s = deployment.wait_ready() if first else deploy(deployment, case)
@@ -352,7 +363,8 @@ def run(args) -> dict:
                              else deployment.applications)
                 log(f"{label}: ready after {ready_s:.0f} s, replicas "
                     f"{replicas_running(app_names)}; warm-up, then {args.duration_s:.0f} s")
-                row, window = measure(deployment, case, label, args)
+                row, window = measure(deployment, case, label, args,
+                                      args.settle_s if first else 0.0)
                 row.update(round=round_idx + 1, ready_s=round(ready_s, 1),
                            replicas_running=replicas_running(app_names))
                 runs.append(row)
@@ -376,8 +388,9 @@ def run(args) -> dict:
         for case in ENGRAM_INGRESS_REPLICAS} for base in BASELINES}
     return {**{k: env[k] for k in ("date", "commit", "worktree_clean", "device")},
             "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-            "warmup_s": args.warmup_s, "duration_s": args.duration_s, "rounds": args.rounds,
-            "order": [case for _ in range(args.rounds) for case in CASES],
+            "warmup_s": args.warmup_s, "settle_s": args.settle_s,
+            "duration_s": args.duration_s, "rounds": args.rounds,
+            "order": [case for order in round_orders(args.rounds) for case in order],
             "targets": {"min_rps_ratio": MIN_RPS_RATIO, "max_p50_ratio": MAX_P50_RATIO},
             "cases": pooled, "comparison": comparison, "runs": runs}
 
@@ -391,7 +404,8 @@ def markdown(result: dict) -> str:
              f"only. Load: {result['concurrency']} closed-loop clients (completions and chat, "
              f"streamed and not, in turn; {result['max_tokens']} tokens, greedy), "
              f"{result['duration_s']:.0f} s measured per case and round after "
-             f"{result['warmup_s']:.0f} s of the same load and a warm-up of every request "
+             f"{result['warmup_s']:.0f} s of the same load (the first measurement: "
+             f"{result.get('settle_s', 0):.0f} s more) and a warm-up of every request "
              f"kind. Order: {', '.join(result['order'])} (each deployed alone, afresh). "
              "Times in ms, of the whole request as its client saw it.", "",
              "| case | answered | failed | req/s | p50 | p99 | TTFT p50 (streamed) | "
@@ -447,6 +461,9 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=60.0,
                         help="seconds measured per case and round")
     parser.add_argument("--rounds", type=int, default=2, help="each case once per round")
+    parser.add_argument("--settle-s", type=float, default=60.0,
+                        help="more seconds of load before the first measurement (it follows "
+                             "Ray's start and the tiny model's making)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: one round of 15 s per case, nothing written")
     parser.add_argument("--workdir", default="/tmp/engram-ray-ingress")
@@ -454,7 +471,7 @@ def main() -> None:
     add_results_argument(parser, "ingress")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.warmup_s, args.duration_s = 1, 5.0, 15.0
+        args.rounds, args.warmup_s, args.settle_s, args.duration_s = 1, 5.0, 5.0, 15.0
     result = run(args)
     text = markdown(result)
     if args.quick:

@@ -8,7 +8,6 @@ or a section's own check, is one `ConfigError` naming the path of the field at f
 section = a field whose type is another `Section` (see `engram_ray.serve.config`).
 """
 
-from pathlib import Path
 from types import NoneType, UnionType
 from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
@@ -62,11 +61,6 @@ class Section(BaseModel):
     def replace(self, **changes):
         """A copy with `changes`, validated again as a whole."""
         return type(self)(**{**self.__dict__, **changes})
-
-    @classmethod
-    def describe_fields(cls) -> dict[str, str]:
-        """Setting name -> description, for docs and `--help` texts."""
-        return {name: info.description or "" for name, info in cls.model_fields.items()}
 
     @model_validator(mode="before")
     @classmethod
@@ -226,19 +220,4 @@ class DeploymentConfig(Section):
         if self.num_cpus_per_engine > 0:
             bundle["CPU"] = float(self.num_cpus_per_engine)
         return bundle
-
-
-def load_deployment_config(path: str) -> DeploymentConfig:
-    """Read a deployment YAML file (a mapping of settings) into a `DeploymentConfig`."""
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError("deployment config", f"{path!r} is not a file",
-                          "a path to a deployment YAML")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(file), f"is not valid YAML ({exc})", "a mapping of settings") from None
-    return DeploymentConfig.from_dict(data, str(file))
 

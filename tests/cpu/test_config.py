@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engram_ray.config import DeploymentConfig, load_deployment_config
+from engram_ray.config import DeploymentConfig
 from engram_ray.errors import ConfigError
 
 
 def test_defaults_are_valid_and_every_field_is_described():
     config = DeploymentConfig()
     assert config.peer_group_size == 8 and config.table_backend == "cuda"
-    docs = DeploymentConfig.describe_fields()
-    assert set(docs) == set(DeploymentConfig.model_fields)
-    assert all(len(text) > 10 for text in docs.values())
+    assert all(len(info.description or "") > 10
+               for info in DeploymentConfig.model_fields.values())
 
 
 def test_config_is_frozen():
@@ -52,19 +51,18 @@ def test_unknown_keys_are_rejected_by_name():
     assert "peer_group_size" in str(info.value)  # the list of known settings
 
 
-def test_yaml_boundary(tmp_path):
-    path = tmp_path / "deploy.yaml"
-    path.write_text("model: deepseek-v4.1-flash\npeer_group_size: 4\ntable_backend: shm\n"
-                    "num_gpus_per_engine: 0\nnum_cpus_per_engine: 0.5\n")
-    config = load_deployment_config(str(path))
+def test_yaml_boundary():
+    import yaml
+
+    data = yaml.safe_load("model: deepseek-v4.1-flash\npeer_group_size: 4\ntable_backend: shm\n"
+                          "num_gpus_per_engine: 0\nnum_cpus_per_engine: 0.5\n")
+    config = DeploymentConfig.from_dict(data, "deploy.yaml")
     assert (config.peer_group_size, config.table_backend) == (4, "shm")
     assert config.table_device == "cpu" and config.is_cpu_only
     assert DeploymentConfig.from_dict(config.to_dict()) == config
-    path.write_text("- a list\n")
-    with pytest.raises(ConfigError, match="a mapping of settings"):
-        load_deployment_config(str(path))
-    with pytest.raises(ConfigError, match="not a file"):
-        load_deployment_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="deploy.yaml: is list.*a mapping of settings"):
+        DeploymentConfig.from_dict(yaml.safe_load("- a list\n"), "deploy.yaml")
+    assert DeploymentConfig.from_dict(yaml.safe_load("")) == DeploymentConfig()  # empty: defaults
 
 
 def test_bundles_follow_the_engine_resources():

@@ -321,7 +321,7 @@ def test_readme_lists_every_request_limit():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    for name in RequestLimits.describe_fields():
+    for name in RequestLimits.model_fields:
         assert f"| `{name}` |" in readme, name
 
 
