@@ -90,9 +90,8 @@ def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
 
 # Serve's throughput settings (the first two of RAY_SERVE_THROUGHPUT_OPTIMIZED) for the ingress
 # alone: its code is async only, so it and its handles' router run on the replica's own event
-# loop, saving the hand-offs between three threads that each request otherwise makes. Measured
-# on 2 cores with two ingress replicas: 12.8 ms of ingress CPU per request against 14.2
-# (benchmarks/bench_ingress.py has the side-by-side figures).
+# loop, saving the hand-offs between three threads that each request otherwise makes: its CPU
+# per request is then Ray's own ingress's (benchmarks/bench_ingress.py, docs/operators.md).
 INGRESS_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
