@@ -440,6 +440,8 @@ def summarize(env: dict, args, pairs: list[dict], windows: dict) -> dict:
             "cases": cases, "comparison": comparison,
             "pairs": [{k: v for k, v in p.items() if not k.endswith("_row")}
                       | {"door_rps": p["door_row"]["rps"], "plain_rps": p["plain_row"]["rps"],
+                         "door_cpu_s": p["door_row"]["cpu_s"],
+                         "plain_cpu_s": p["plain_row"]["cpu_s"],
                          "door_p50_ms": p["door_row"]["p50_ms"],
                          "plain_p50_ms": p["plain_row"]["p50_ms"],
                          "load_avg_1m_before": p["door_row"]["load_avg_1m_before"]}
@@ -500,13 +502,16 @@ def markdown(result: dict) -> str:
             lines.append(f"| {door} | {c['rps_ratio']} | {c['p50_ratio']} | "
                          f"{'yes' if c['met'] else 'no'} |")
     lines += ["", "Each pair:", "", "| cycle | front door | first | swap (s) | replicas running "
-              "| req/s | plain req/s | p50 | plain p50 | host load 1m before |",
-              "|" + " --- |" * 10]
+              "| req/s | plain req/s | p50 | plain p50 | host load 1m before | CPU s in the front "
+              "door's window: ingress, host | in plain's: ingress, host |",
+              "|" + " --- |" * 12]
     for p in result["pairs"]:
         lines.append(f"| {p['cycle']} | {p['door']} | {p['first']} | {p['swap_s']} | "
                      f"{json.dumps(p['replicas_running'])} | {p['door_rps']} | "
                      f"{p['plain_rps']} | {p['door_p50_ms']} | {p['plain_p50_ms']} | "
-                     f"{p['load_avg_1m_before']} |")
+                     f"{p['load_avg_1m_before']} | {p['door_cpu_s']['ingress']}, "
+                     f"{p['door_cpu_s']['host']} | {p['plain_cpu_s']['ingress']}, "
+                     f"{p['plain_cpu_s']['host']} |")
     errors = sorted({e for c in result["cases"].values() for e in c["errors"]})
     if errors:
         lines += ["", "Errors seen (first of each kind):", ""] + [f"- {e}" for e in errors]
