@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import os
 import statistics
 import sys
@@ -544,7 +543,6 @@ def main() -> None:
         parser.error("--duration-s must be > 0, --warmup-s and --settle-s >= 0")
     if args.quick:
         args.cycles, args.warmup_s, args.settle_s, args.duration_s = 1, 3.0, 3.0, 8.0
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     result = run(args)
     text = markdown(result)
     if args.quick:
