@@ -8,45 +8,51 @@
 settings (`serving.ingress.num_replicas` 2), at least 90% of the requests per second of
 `ray.serve.llm.build_openai_app` on the same tiny model, and a p50 latency at most 5% above its.
 
-Two vLLM CPU engines (one {"CPU": 1} bundle each) serve the whole run, side by side in one
-Ray instance:
+Two vLLM CPU engines (one {"CPU": 1} bundle each) and five front doors serve the whole run,
+side by side in one Ray instance; nothing is redeployed while it measures:
 
     plain      `build_openai_app` (route /plain) of the engram engine's own LLMConfig
                (`engram_ray.serve.app.llm_config`: engine kwargs with eager mode and no prefix
                caching, the bundle, health checks, max_ongoing_requests) less its engram
                settings; its ingress as Ray Serve LLM builds it (one replica), at num_cpus 0
-               as the engram ingress. Deployed once, never changed.
-    the engram app (`LocalDeployment`, one peer group of one engine, route /), whose front
-               door (its own application) is swapped in place between the front doors below;
-               the group, its engine and the coordinator stay:
-      engram-2       engram-ray's ingress as configured by default (2 replicas)
-      engram-1       the same with serving.ingress.num_replicas 1
+               as the engram ingress.
+    the engram app (`LocalDeployment`, one peer group of one engine), with four front doors
+               over that one group (each its own application and route; the group, its engine
+               and the coordinator are shared):
+      engram-2       the app's own front door at /: engram-ray's ingress as configured by
+                     default (2 replicas), deployed as `serve deploy` deploys it
+      engram-1       the same ingress (`engram_ray.serve.app._ingress`, as `build_app` makes
+                     it) with serving.ingress.num_replicas 1, at /engram-1
       ray-ingress    Ray Serve LLM's own `OpenAiIngress`, made as build_openai_app makes it
-                     (one replica, num_cpus 0), over the same group: against it, engram-1 is
-                     the ingress's cost alone (the engine and member router are the same)
-      ray-ingress-2  the same with two replicas: what Ray's own ingress costs at the
-                     default's replica count, on these cores
+                     (one replica, num_cpus 0), over the same group, at /ray-ingress: against
+                     it, engram-1 is the ingress's cost alone (engine and member router shared)
+      ray-ingress-2  the same with two replicas, at /ray-ingress-2: what Ray's own ingress
+                     costs at the default's replica count, on these cores
 
-How: each cycle (`--cycles`) visits every front door (the order rotated by one per cycle);
-for each: the front door swapped in (and its old replicas gone), a warm-up of every request
-kind (`engram_ray.local.warmup`), then a PAIR of windows, the front door's and plain's, one
-right after the other (which goes first alternates by cycle): `--concurrency` closed-loop
-clients (`engram_ray.local.loadgen.Traffic`: completions and chat, streamed and not, in turn;
+How: after every front door has answered a warm-up of every request kind
+(`engram_ray.local.warmup`), each cycle (`--cycles`) visits every front door (the order rotated
+by one per cycle) for a PAIR of windows, the front door's and plain's, one right after the other
+(which goes first alternates by cycle): `--concurrency` closed-loop clients
+(`engram_ray.local.loadgen.Traffic`: completions and chat, streamed and not, in turn;
 `--max-tokens`, greedy, one prompt) send to one of them for `--warmup-s`, then `--duration-s`
 measured. Requests that ended in a window count: req/s = answered / window, p50 and p99 of
 the client's whole-request time; a request is answered only when its client saw it complete.
 Beside them, the CPU time (user + system, psutil) each role's processes used in the window per
-answered request: the serving app's ingress replicas, its engine replica with its vLLM
+answered request: the serving front door's ingress replicas, the engine replica with its vLLM
 processes, Serve's proxy, the coordinator, the clients, the whole host.
 
 Why pairs: on 2 shared cores the machine's speed drifts by more than the ingress costs (runs
 of this benchmark that deployed each case alone, one after another, saw one case's req/s move
-23 -> 32 between consecutive cases). Both engines are up all the time, so the idle one's
+23 -> 32 between consecutive cases). Everything is up all the time, so the idle parts'
 background costs fall on both windows of a pair, and a front door's figures are divided by the
 plain window beside it: req/s ratio = the front door's answered requests / plain's over the
 same number of windows, p50 ratio of the pooled latencies, and the median of the pairs'
 ratios beside. Against ray-ingress(-2), the engram front door's ratio to plain is divided by
-theirs.
+theirs. Why nothing is swapped: runs that replaced the engram app's front door in place
+before each pair (b80a7d9 to 696ca28) measured what follows a swap (new replicas and Ray
+workers starting, old ones stopping) in the front door's windows: in 696ca28's run the pairs
+whose front door window came first, right after its swap, had a median req/s ratio of 0.89x,
+those where plain's came first 0.95x.
 
 The engines differ in where the Engram table lives (the engram engine: a peer-group slice in
 shared memory, its lookups timed for its metrics; the plain one: whole in the engine process,
@@ -60,7 +66,6 @@ DIR` elsewhere); `--quick` (one short cycle) only prints its table: a smoke run,
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -77,6 +82,7 @@ from common import add_results_argument, environment, write_results  # noqa: E40
 ENGRAM_DOORS = {"engram-2": None, "engram-1": 1}
 RAY_DOORS = {"ray-ingress": None, "ray-ingress-2": 2}
 FRONT_DOORS = (*ENGRAM_DOORS, *RAY_DOORS)
+DEFAULT_DOOR = "engram-2"  # the engram app's own front door (the config's default), at /
 PLAIN = "plain"  # the plain app's name and route (/plain)
 MIN_RPS_RATIO, MAX_P50_RATIO = 0.90, 1.05  # issue 28's targets
 KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (chat, stream)
@@ -167,29 +173,48 @@ def release_plain_segments(paths: set[str], wait_s: float = 30.0) -> None:
         log(f"left in use after {wait_s:.0f} s (not removed): {kept}")
 
 
-def swap_front_door(deployment, door: str) -> float:
-    """The engram app's front door replaced by `door` (the group and coordinator stay);
-    seconds until only `door`'s replicas run and it answers."""
-    from unittest import mock
+def door_app(deployment, door: str):
+    """Front door `door` (not engram-2, the engram app's own) as its own application over the
+    engram app's group: the engram ingress as `build_app` makes it (`_ingress`), or Ray's."""
+    import copy
+
+    from engram_ray.planning.grouping import Domain, PeerGroupPlan
+    from engram_ray.serve import app
+    from engram_ray.serve.config import ServeAppConfig
+
+    args = copy.deepcopy(deployment.args)
+    if door in ENGRAM_DOORS:
+        args["serving"]["ingress"] = {"num_replicas": ENGRAM_DOORS[door]}
+    config = ServeAppConfig.from_dict(args)
+    name, server_cls = config.deployment.name, app.server_class(config)
+    groups = [f"group-{i}" for i in range(config.serving.num_peer_groups)]
+    engines = {g: (app.engine_deployment_name(server_cls, name, g), app.group_app_name(name, g))
+               for g in groups}
+    llm = app.llm_config(config, PeerGroupPlan(groups[0], Domain("local", (), 1, {}), 0, 1))
+    if door in RAY_DOORS:
+        return ray_ingress(llm, engines, name, RAY_DOORS[door])
+    return app._ingress(llm, engines, name)
+
+
+def deploy_doors(deployment) -> dict[str, str]:
+    """Every front door up, each its own application at /<door> (engram-2: the engram app's
+    own, at /): {door: its base url}."""
+    from ray.serve.api import _run
 
     from engram_ray.local.deployment import log
-    from engram_ray.serve import app
 
-    started = time.monotonic()
-    deployment.args["serving"].pop("ingress", None)  # the config's default
-    # The front door's args may be unchanged (engram-2 <-> ray-ingress): run it again anyway.
-    deployment._deployed.pop(deployment.app_name, None)
-    if door in RAY_DOORS:
-        log(f"front door -> {door}: Ray Serve LLM's OpenAiIngress")
-        with mock.patch.object(app, "_ingress",  # the build runs in this process
-                               functools.partial(ray_ingress, replicas=RAY_DOORS[door])):
-            deployment.redeploy({})
-    else:
-        replicas = ENGRAM_DOORS[door]
-        deployment.redeploy({} if replicas is None else
-                            {"serving": {"ingress": {"num_replicas": replicas}}})
-    wait_settled(deployment.app_name, deployment.url, deployment.options.startup_timeout_s)
-    return time.monotonic() - started
+    urls = {DEFAULT_DOOR: deployment.url}
+    for door in FRONT_DOORS:
+        if door == DEFAULT_DOOR:
+            continue
+        log(f"deploying front door {door} at /{door}")
+        _run(door_app(deployment, door), _blocking=False, name=door, route_prefix=f"/{door}")
+        urls[door] = f"{deployment.url}/{door}"
+    for door, url in urls.items():
+        app_name = deployment.app_name if door == DEFAULT_DOOR else door
+        log(f"{door} settled after "
+            f"{wait_settled(app_name, url, deployment.options.startup_timeout_s):.0f} s")
+    return urls
 
 
 def wait_settled(app_name: str, url: str, timeout_s: float) -> float:
@@ -370,22 +395,24 @@ def run(args) -> dict:
         deployment.start()  # its front door: the default, engram-2
         log(f"engram app ready after {deployment.wait_ready():.0f} s")
         log(f"{PLAIN} ready after {deploy_plain(deployment):.0f} s")
+        urls = deploy_doors(deployment)
+        apps = {door: deployment.app_name if door == DEFAULT_DOOR else door
+                for door in FRONT_DOORS}
         warm_up(plain_url, deployment.model_id, num_engines=1)
         segments = plain_segments()  # its engine makes them by the time it has served
-        current = "engram-2"
+        # 4 requests of each kind at once: every ingress replica (at most 2) sees each.
+        warmups = {door: sum(len(w["errors"]) for w in warm_up(url, deployment.model_id,
+                                                               num_engines=2))
+                   for door, url in urls.items()}
+        running = {door: replicas_running([app_name]) for door, app_name in apps.items()}
+        first = True
         for cycle, order in enumerate(door_orders(args.cycles)):
             for door in order:
-                swap_s = 0.0 if door == current else swap_front_door(deployment, door)
-                current = door
-                # 4 requests of each kind at once: every ingress replica (at most 2) sees each.
-                warmup = warm_up(deployment.url, deployment.model_id, num_engines=2)
-                first = not pairs
-                sides = [(door, deployment.url, [deployment.app_name],
-                          deployment.applications[1:]), (PLAIN, plain_url, [PLAIN], [PLAIN])]
-                pair = {"cycle": cycle + 1, "door": door, "swap_s": round(swap_s, 1),
-                        "replicas_running": replicas_running([deployment.app_name]),
-                        "warmup_errors": sum(len(w["errors"]) for w in warmup),
-                        "first": sides[cycle % 2][0]}
+                sides = [(door, urls[door], [apps[door]], deployment.applications[1:]),
+                         (PLAIN, plain_url, [PLAIN], [PLAIN])]
+                pair = {"cycle": cycle + 1, "door": door,
+                        "replicas_running": running[door],
+                        "warmup_errors": warmups[door], "first": sides[cycle % 2][0]}
                 for name, url, ingress_apps, engine_apps in sides[::1 if cycle % 2 == 0 else -1]:
                     label = f"cycle {cycle + 1}/{args.cycles}, {door} pair, {name}"
                     row, window = measure(url, deployment.model_id,
@@ -453,8 +480,8 @@ def markdown(result: dict) -> str:
              f"{result['commit']}{tree})", "",
              f"Device: {result['device']}. Two vLLM CPU engines side by side the whole run "
              "(tiny Engram model, eager, no prefix caching, one {\"CPU\": 1} bundle each): the "
-             "engram app's, behind the front door swapped in for each pair, and plain "
-             "`build_openai_app`'s; Ray on 127.0.0.1, loopback only. Load: "
+             "engram app's, behind four front doors (each its own application, all up the "
+             "whole run), and plain `build_openai_app`'s; Ray on 127.0.0.1, loopback only. Load: "
              f"{result['concurrency']} closed-loop clients (completions and chat, streamed and "
              f"not, in turn; {result['max_tokens']} tokens, greedy) on one app at a time: "
              f"{result['duration_s']:.0f} s measured per window after {result['warmup_s']:.0f} s "
@@ -500,12 +527,12 @@ def markdown(result: dict) -> str:
         for door, c in result["comparison"][base].items():
             lines.append(f"| {door} | {c['rps_ratio']} | {c['p50_ratio']} | "
                          f"{'yes' if c['met'] else 'no'} |")
-    lines += ["", "Each pair:", "", "| cycle | front door | first | swap (s) | replicas running "
+    lines += ["", "Each pair:", "", "| cycle | front door | first | replicas running "
               "| req/s | plain req/s | p50 | plain p50 | host load 1m before | CPU s in the front "
               "door's window: ingress, host | in plain's: ingress, host |",
-              "|" + " --- |" * 12]
+              "|" + " --- |" * 11]
     for p in result["pairs"]:
-        lines.append(f"| {p['cycle']} | {p['door']} | {p['first']} | {p['swap_s']} | "
+        lines.append(f"| {p['cycle']} | {p['door']} | {p['first']} | "
                      f"{json.dumps(p['replicas_running'])} | {p['door_rps']} | "
                      f"{p['plain_rps']} | {p['door_p50_ms']} | {p['plain_p50_ms']} | "
                      f"{p['load_avg_1m_before']} | {p['door_cpu_s']['ingress']}, "
@@ -523,9 +550,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--warmup-s", type=float, default=8.0,
                         help="seconds of the load before each measured window")
-    parser.add_argument("--duration-s", type=float, default=20.0,
+    parser.add_argument("--duration-s", type=float, default=16.0,
                         help="seconds of each measured window")
-    parser.add_argument("--cycles", type=int, default=6,
+    parser.add_argument("--cycles", type=int, default=8,
                         help="each front door's pair of windows once per cycle")
     parser.add_argument("--settle-s", type=float, default=60.0,
                         help="more seconds of load before the first window (it follows Ray's "
