@@ -4,42 +4,51 @@
     TMPDIR=/tmp/engram-ray-tmp VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \\
         bash scripts/in_netns.sh python3 benchmarks/bench_ingress.py [--quick]
 
-(TMPDIR a folder you clean.) The target: with one ingress replica and with the default ingress
-settings (`serving.ingress.num_replicas` 2), at least 90% of the requests per second of
-`ray.serve.llm.build_openai_app` on the same tiny model, and a p50 latency at most 5% above its.
+(TMPDIR a folder you clean.) The targets: with the default ingress settings
+(`serving.ingress.num_replicas` 2) against `ray.serve.llm.build_openai_app`'s defaults (one
+ingress replica), and with two ingress replicas against its ingress with two, at least 90% of
+its requests per second on the same tiny model and a p50 latency at most 5% above its.
 
-Two vLLM CPU engines (one {"CPU": 1} bundle each) and five front doors serve the whole run,
+Two vLLM CPU engines (one {"CPU": 1} bundle each) and six front doors serve the whole run,
 side by side in one Ray instance; nothing is redeployed while it measures:
 
-    plain      `build_openai_app` (route /plain) of the engram engine's own LLMConfig
+    the plain engine, `build_openai_app`'s, of the engram engine's own LLMConfig
                (`engram_ray.serve.app.llm_config`: engine kwargs with eager mode and no prefix
                caching, the bundle, health checks, max_ongoing_requests) less its engram
-               settings; its ingress as Ray Serve LLM builds it (one replica), at num_cpus 0
-               as the engram ingress.
-    the engram app (`LocalDeployment`, one peer group of one engine), with four front doors
-               over that one group (each its own application and route; the group, its engine
-               and the coordinator are shared):
+               settings, with two front doors:
+      plain          its ingress as `build_openai_app` builds it (one replica, at num_cpus 0
+                     as the engram ingress), at /plain
+      plain-2        the same ingress with two replicas (`build_openai_app`'s
+                     `ingress_deployment_config` num_replicas 2) over the same engine, at
+                     /plain-2
+    the engram engine (`LocalDeployment`, one peer group of one engine), with three front
+               doors over that one group (the group, its engine and the coordinator shared):
       engram-2       the app's own front door at /: engram-ray's ingress as configured by
                      default (2 replicas), deployed as `serve deploy` deploys it
       engram-1       the same ingress (`engram_ray.serve.app._ingress`, as `build_app` makes
                      it) with serving.ingress.num_replicas 1, at /engram-1
       ray-ingress    Ray Serve LLM's own `OpenAiIngress`, made as build_openai_app makes it
-                     (one replica, num_cpus 0), over the same group, at /ray-ingress: against
-                     it, engram-1 is the ingress's cost alone (engine and member router shared)
-      ray-ingress-2  the same with two replicas, at /ray-ingress-2: what Ray's own ingress
-                     costs at the default's replica count, on these cores
+                     (one replica), over the same group, at /ray-ingress: against it, engram-1
+                     is the ingress's cost alone (engine and member router shared)
 
 How: after every front door has answered a warm-up of every request kind
-(`engram_ray.local.warmup`), each cycle (`--cycles`) visits every front door (the order rotated
-by one per cycle) for a PAIR of windows, the front door's and plain's, one right after the other
-(which goes first alternates by cycle): `--concurrency` closed-loop clients
-(`engram_ray.local.loadgen.Traffic`: completions and chat, streamed and not, in turn;
-`--max-tokens`, greedy, one prompt) send to one of them for `--warmup-s`, then `--duration-s`
-measured. Requests that ended in a window count: req/s = answered / window, p50 and p99 of
-the client's whole-request time; a request is answered only when its client saw it complete.
-Beside them, the CPU time (user + system, psutil) each role's processes used in the window per
-answered request: the serving front door's ingress replicas, the engine replica with its vLLM
-processes, Serve's proxy, the coordinator, the clients, the whole host.
+(`engram_ray.local.warmup`), each cycle (`--cycles`) measures every PAIR below (the order
+rotated by one per cycle): an engram-engine front door's window and a plain one's, one right
+after the other (which goes first alternates by cycle):
+
+    engram-2 / plain     the default against build_openai_app's default (the first target)
+    engram-2 / plain-2   two ingress replicas against two (the second target)
+    engram-1 / plain     one against one
+    ray-ingress / plain  Ray's ingress on each engine: what the engines alone differ by
+
+In a window `--concurrency` closed-loop clients (`engram_ray.local.loadgen.Traffic`:
+completions and chat, streamed and not, in turn; `--max-tokens`, greedy, one prompt) send to
+one front door for `--warmup-s`, then `--duration-s` measured. Requests that ended in a window
+count: req/s = answered / window, p50 and p99 of the client's whole-request time; a request is
+answered only when its client saw it complete. Beside them, the CPU time (user + system,
+psutil) each role's processes used in the window per answered request: the serving front
+door's ingress replicas, the engine replica with its vLLM processes, Serve's proxy, the
+coordinator, the clients, the whole host.
 
 Why pairs: on 2 shared cores the machine's speed drifts by more than the ingress costs (runs
 of this benchmark that deployed each case alone, one after another, saw one case's req/s move
@@ -47,8 +56,8 @@ of this benchmark that deployed each case alone, one after another, saw one case
 background costs fall on both windows of a pair, and a front door's figures are divided by the
 plain window beside it: req/s ratio = the front door's answered requests / plain's over the
 same number of windows, p50 ratio of the pooled latencies, and the median of the pairs'
-ratios beside. Against ray-ingress(-2), the engram front door's ratio to plain is divided by
-theirs. Why nothing is swapped: runs that replaced the engram app's front door in place
+ratios beside. Against ray-ingress, the engram front doors' ratio to plain is divided by
+its. Why nothing is swapped: runs that replaced the engram app's front door in place
 before each pair (b80a7d9 to 696ca28) measured what follows a swap (new replicas and Ray
 workers starting, old ones stopping) in the front door's windows: in 696ca28's run the pairs
 whose front door window came first, right after its swap, had a median req/s ratio of 0.89x,
@@ -78,12 +87,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import add_results_argument, environment, write_results  # noqa: E402
 
-# Front door -> its replicas (None: the default: the config's, or build_openai_app's).
+# Front doors over the engram engine -> their ingress replicas (None: the default: the
+# config's, or build_openai_app's).
 ENGRAM_DOORS = {"engram-2": None, "engram-1": 1}
-RAY_DOORS = {"ray-ingress": None, "ray-ingress-2": 2}
-FRONT_DOORS = (*ENGRAM_DOORS, *RAY_DOORS)
+RAY_DOORS = {"ray-ingress": None}
 DEFAULT_DOOR = "engram-2"  # the engram app's own front door (the config's default), at /
-PLAIN = "plain"  # the plain app's name and route (/plain)
+PLAIN = "plain"  # build_openai_app's application: its name and route (/plain)
+PLAIN_2 = "plain-2"  # its ingress with two replicas, over its engine (/plain-2)
+BASES = (PLAIN, PLAIN_2)
+# Each pair: (front door over the engram engine, plain front door) (module doc).
+PAIRS = (("engram-2", PLAIN), ("engram-2", PLAIN_2), ("engram-1", PLAIN),
+         ("ray-ingress", PLAIN))
 MIN_RPS_RATIO, MAX_P50_RATIO = 0.90, 1.05  # issue 28's targets
 KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (chat, stream)
          for chat in (False, True) for stream in (False, True)}
@@ -92,7 +106,15 @@ KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (c
 def plain_app(deployment):
     """`build_openai_app` of the engram engine's LLMConfig without its engram settings (its
     ingress as Ray Serve LLM builds it, at num_cpus 0)."""
-    from ray.serve.llm import LLMConfig, build_openai_app
+    from ray.serve.llm import build_openai_app
+
+    return build_openai_app({"llm_configs": [plain_llm_config(deployment)],
+                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+
+
+def plain_llm_config(deployment):
+    """The engram engine's LLMConfig without its engram settings."""
+    from ray.serve.llm import LLMConfig
 
     from engram_ray.planning.grouping import Domain, PeerGroupPlan
     from engram_ray.serve.app import llm_config
@@ -105,14 +127,13 @@ def plain_app(deployment):
                        deployment_config=dict(engram.deployment_config),
                        placement_group_config=dict(engram.placement_group_config),
                        log_engine_metrics=engram.log_engine_metrics)
-    return build_openai_app({"llm_configs": [config],
-                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+    return config
 
 
 def ray_ingress(config, engines: dict, deployment_name: str, replicas: int | None = None):
-    """In place of `engram_ray.serve.app._ingress`: Ray Serve LLM's `OpenAiIngress` over the
-    group's deployment, with the options `build_openai_app` gives it (as in `plain_app`) and
-    `replicas` if set."""
+    """With `engram_ray.serve.app._ingress`'s arguments: Ray Serve LLM's `OpenAiIngress` over
+    the engine deployment of `engines` (the first), with the options `build_openai_app` gives
+    it (as in `plain_app`) and `replicas` if set."""
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.builder import (
@@ -196,25 +217,39 @@ def door_app(deployment, door: str):
     return app._ingress(llm, engines, name)
 
 
+def plain_2_app(deployment):
+    """Ray Serve LLM's ingress with two replicas over the plain app's engine."""
+    from ray import serve
+
+    engine = next(name for name in serve.status().applications[PLAIN].deployments
+                  if name.startswith("LLMServer"))
+    return ray_ingress(plain_llm_config(deployment), {PLAIN: (engine, PLAIN)}, "", replicas=2)
+
+
 def deploy_doors(deployment) -> dict[str, str]:
     """Every front door up, each its own application at /<door> (engram-2: the engram app's
-    own, at /): {door: its base url}."""
+    own, at /; plain: build_openai_app's, deployed before): {door: its base url}."""
     from ray.serve.api import _run
 
     from engram_ray.local.deployment import log
 
-    urls = {DEFAULT_DOOR: deployment.url}
-    for door in FRONT_DOORS:
-        if door == DEFAULT_DOOR:
+    urls = {DEFAULT_DOOR: deployment.url, PLAIN: f"{deployment.url}/{PLAIN}"}
+    for door in (*ENGRAM_DOORS, *RAY_DOORS, PLAIN_2):
+        if door in urls:
             continue
         log(f"deploying front door {door} at /{door}")
-        _run(door_app(deployment, door), _blocking=False, name=door, route_prefix=f"/{door}")
+        app = plain_2_app(deployment) if door == PLAIN_2 else door_app(deployment, door)
+        _run(app, _blocking=False, name=door, route_prefix=f"/{door}")
         urls[door] = f"{deployment.url}/{door}"
     for door, url in urls.items():
-        app_name = deployment.app_name if door == DEFAULT_DOOR else door
-        log(f"{door} settled after "
-            f"{wait_settled(app_name, url, deployment.options.startup_timeout_s):.0f} s")
+        settled_s = wait_settled(app_name(deployment, door), url,
+                                 deployment.options.startup_timeout_s)
+        log(f"{door} settled after {settled_s:.0f} s")
     return urls
+
+
+def app_name(deployment, door: str) -> str:
+    return deployment.app_name if door == DEFAULT_DOOR else door
 
 
 def wait_settled(app_name: str, url: str, timeout_s: float) -> float:
@@ -374,10 +409,10 @@ def _met(rps_ratio: float, p50_ratio: float, no_failures: bool = True) -> dict:
             "met": rps_ratio >= MIN_RPS_RATIO and p50_ratio <= MAX_P50_RATIO and no_failures}
 
 
-def door_orders(cycles: int) -> list[tuple[str, ...]]:
-    """The front doors of each cycle, rotated by one per cycle: none always first or last."""
-    n = len(FRONT_DOORS)
-    return [FRONT_DOORS[i % n:] + FRONT_DOORS[:i % n] for i in range(cycles)]
+def pair_orders(cycles: int) -> list[tuple[tuple[str, str], ...]]:
+    """The pairs of each cycle, rotated by one per cycle: none always first or last."""
+    n = len(PAIRS)
+    return [PAIRS[i % n:] + PAIRS[:i % n] for i in range(cycles)]
 
 
 def run(args) -> dict:
@@ -390,42 +425,41 @@ def run(args) -> dict:
                                               peer_group_size=1))
     plain_url = f"{deployment.url}/{PLAIN}"
     segments: set[str] = set()
-    pairs, windows = [], {}  # front door X's windows under "X", plain's beside them "plain:X"
+    pairs, windows = [], {}  # (door, base, side) -> the requests of those windows
     try:
         deployment.start()  # its front door: the default, engram-2
         log(f"engram app ready after {deployment.wait_ready():.0f} s")
         log(f"{PLAIN} ready after {deploy_plain(deployment):.0f} s")
         urls = deploy_doors(deployment)
-        apps = {door: deployment.app_name if door == DEFAULT_DOOR else door
-                for door in FRONT_DOORS}
         warm_up(plain_url, deployment.model_id, num_engines=1)
         segments = plain_segments()  # its engine makes them by the time it has served
         # 4 requests of each kind at once: every ingress replica (at most 2) sees each.
         warmups = {door: sum(len(w["errors"]) for w in warm_up(url, deployment.model_id,
                                                                num_engines=2))
                    for door, url in urls.items()}
-        running = {door: replicas_running([app_name]) for door, app_name in apps.items()}
+        running = {door: replicas_running([app_name(deployment, door)]) for door in urls}
+        engine_apps = {door: [PLAIN] if door in BASES else deployment.applications[1:]
+                       for door in urls}
         first = True
-        for cycle, order in enumerate(door_orders(args.cycles)):
-            for door in order:
-                sides = [(door, urls[door], [apps[door]], deployment.applications[1:]),
-                         (PLAIN, plain_url, [PLAIN], [PLAIN])]
-                pair = {"cycle": cycle + 1, "door": door,
-                        "replicas_running": running[door],
-                        "warmup_errors": warmups[door], "first": sides[cycle % 2][0]}
-                for name, url, ingress_apps, engine_apps in sides[::1 if cycle % 2 == 0 else -1]:
-                    label = f"cycle {cycle + 1}/{args.cycles}, {door} pair, {name}"
-                    row, window = measure(url, deployment.model_id,
-                                          role_processes(ingress_apps, engine_apps), label, args,
+        for cycle, order in enumerate(pair_orders(args.cycles)):
+            for door, base in order:
+                pair = {"cycle": cycle + 1, "door": door, "base": base,
+                        "replicas_running": {door: running[door], base: running[base]},
+                        "warmup_errors": warmups[door] + warmups[base],
+                        "first": (door, base)[cycle % 2]}
+                for side, name in (("door", door), ("base", base))[::1 if cycle % 2 == 0 else -1]:
+                    label = f"cycle {cycle + 1}/{args.cycles}, {door} / {base} pair, {name}"
+                    row, window = measure(urls[name], deployment.model_id,
+                                          role_processes([app_name(deployment, name)],
+                                                         engine_apps[name]), label, args,
                                           args.settle_s if first else 0.0)
                     first = False
-                    pair["door_row" if name == door else "plain_row"] = row
-                    windows.setdefault(name if name == door else f"{PLAIN}:{door}", []).extend(
-                        window)
-                pair.update(ratios(pair["door_row"], pair["plain_row"]))
+                    pair[f"{side}_row"] = row
+                    windows.setdefault((door, base, side), []).extend(window)
+                pair.update(ratios(pair["door_row"], pair["base_row"]))
                 pairs.append(pair)
-                log(f"cycle {cycle + 1}, {door}: against plain beside it req/s "
-                    f"{pair['rps_ratio']}x, p50 {pair['p50_ratio']}x")
+                log(f"cycle {cycle + 1}, {door} / {base}: req/s {pair['rps_ratio']}x, "
+                    f"p50 {pair['p50_ratio']}x")
     finally:
         segments |= plain_segments()
         deployment.stop()
@@ -433,31 +467,38 @@ def run(args) -> dict:
     return summarize(env, args, pairs, windows)
 
 
+def case_names(door: str, base: str) -> tuple[str, str]:
+    """The names of a pair's pooled front-door and plain windows."""
+    return f"{door} (beside {base})", f"{base} (beside {door})"
+
+
 def summarize(env: dict, args, pairs: list[dict], windows: dict) -> dict:
-    """Pooled figures of each front door and of the plain windows paired with it; ratios."""
-    cases, comparison = {}, {"plain": {}}
-    for door in FRONT_DOORS:
-        of_door = [p for p in pairs if p["door"] == door]
-        for name, key in ((door, "door_row"), (f"{PLAIN}:{door}", "plain_row")):
-            rows = [p[key] for p in of_door]
-            cases[name] = figures(windows.get(name, []), sum(r["window_s"] for r in rows),
-                                  args.concurrency)
+    """Pooled figures of each pair's two sides; ratios; against ray-ingress."""
+    cases, comparison = {}, {"pairs": {}}
+    for door, base in PAIRS:
+        of_pair = [p for p in pairs if (p["door"], p["base"]) == (door, base)]
+        for side, name in zip(("door", "base"), case_names(door, base)):
+            rows = [p[f"{side}_row"] for p in of_pair]
+            cases[name] = figures(windows.get((door, base, side), []),
+                                  sum(r["window_s"] for r in rows), args.concurrency)
             answered = cases[name]["answered"]
             cases[name]["cpu_ms_per_request"] = {
                 role: round(1000 * sum(r["cpu_s"][role] for r in rows) / answered, 2)
                 if answered else None for role in rows[0]["cpu_s"]}
-        pooled = ratios(cases[door], cases[f"{PLAIN}:{door}"])
-        comparison["plain"][door] = {
-            **pooled, "median_of_pairs": _met(
-                statistics.median(p["rps_ratio"] for p in of_door),
-                statistics.median(p["p50_ratio"] for p in of_door)),
-            "per_pair": [{k: p[k] for k in ("rps_ratio", "p50_ratio")} for p in of_door]}
-    for base in RAY_DOORS:  # the engram front doors' ratios to plain over theirs
-        b = comparison["plain"][base]
-        comparison[base] = {door: _met(c["rps_ratio"] / b["rps_ratio"],
-                                       c["p50_ratio"] / b["p50_ratio"],
-                                       not cases[door]["failed"] and not cases[base]["failed"])
-                            for door, c in comparison["plain"].items() if door in ENGRAM_DOORS}
+        comparison["pairs"][f"{door} / {base}"] = {
+            **ratios(*(cases[n] for n in case_names(door, base))),
+            "median_of_pairs": _met(statistics.median(p["rps_ratio"] for p in of_pair),
+                                    statistics.median(p["p50_ratio"] for p in of_pair)),
+            "per_pair": [{k: p[k] for k in ("rps_ratio", "p50_ratio")} for p in of_pair]}
+    # The engram front doors' ratios to plain over Ray's ingress's on the same engine.
+    ray_door = next(iter(RAY_DOORS))
+    ray = comparison["pairs"][f"{ray_door} / {PLAIN}"]
+    comparison[ray_door] = {
+        door: _met(c["rps_ratio"] / ray["rps_ratio"], c["p50_ratio"] / ray["p50_ratio"],
+                   not any(cases[name]["failed"] for pair in ((door, PLAIN), (ray_door, PLAIN))
+                           for name in case_names(*pair)))
+        for (door, base), c in zip(PAIRS, comparison["pairs"].values())
+        if base == PLAIN and door in ENGRAM_DOORS}
     return {**{k: env[k] for k in ("date", "commit", "worktree_clean", "device")},
             "concurrency": args.concurrency, "max_tokens": args.max_tokens,
             "warmup_s": args.warmup_s, "settle_s": args.settle_s,
@@ -465,12 +506,10 @@ def summarize(env: dict, args, pairs: list[dict], windows: dict) -> dict:
             "targets": {"min_rps_ratio": MIN_RPS_RATIO, "max_p50_ratio": MAX_P50_RATIO},
             "cases": cases, "comparison": comparison,
             "pairs": [{k: v for k, v in p.items() if not k.endswith("_row")}
-                      | {"door_rps": p["door_row"]["rps"], "plain_rps": p["plain_row"]["rps"],
-                         "door_cpu_s": p["door_row"]["cpu_s"],
-                         "plain_cpu_s": p["plain_row"]["cpu_s"],
-                         "door_p50_ms": p["door_row"]["p50_ms"],
-                         "plain_p50_ms": p["plain_row"]["p50_ms"],
-                         "load_avg_1m_before": p["door_row"]["load_avg_1m_before"]}
+                      | {f"{side}_{key}": p[f"{side}_row"][key]
+                         for side in ("door", "base") for key in ("rps", "p50_ms", "cpu_s")}
+                      | {"load_avg_1m_before": p["door_row" if p["first"] == p["door"]
+                                                 else "base_row"]["load_avg_1m_before"]}
                       for p in pairs]}
 
 
@@ -479,27 +518,30 @@ def markdown(result: dict) -> str:
     lines = [f"# Ingress against Ray Serve LLM's plain app ({result['date']}, commit "
              f"{result['commit']}{tree})", "",
              f"Device: {result['device']}. Two vLLM CPU engines side by side the whole run "
-             "(tiny Engram model, eager, no prefix caching, one {\"CPU\": 1} bundle each): the "
-             "engram app's, behind four front doors (each its own application, all up the "
-             "whole run), and plain `build_openai_app`'s; Ray on 127.0.0.1, loopback only. Load: "
-             f"{result['concurrency']} closed-loop clients (completions and chat, streamed and "
-             f"not, in turn; {result['max_tokens']} tokens, greedy) on one app at a time: "
+             "(tiny Engram model, eager, no prefix caching, one {\"CPU\": 1} bundle each), "
+             "each behind its front doors, every one up the whole run: the engram engine "
+             "(one peer group of one engine) behind engram-2 (engram-ray's ingress, default "
+             "settings: 2 replicas), engram-1 (1 replica) and ray-ingress (Ray Serve LLM's "
+             "OpenAiIngress, 1 replica); the plain engine (`build_openai_app`) behind plain "
+             "(its ingress as built: 1 replica) and plain-2 (the same with 2). Ray on "
+             f"127.0.0.1, loopback only. Load: {result['concurrency']} closed-loop clients "
+             "(completions and chat, streamed and not, in turn; "
+             f"{result['max_tokens']} tokens, greedy) on one front door at a time: "
              f"{result['duration_s']:.0f} s measured per window after {result['warmup_s']:.0f} s "
              f"of the same load (the first window: {result['settle_s']:.0f} s more); "
-             f"{result['cycles']} cycles, each a pair of windows (the front door's, plain's, "
-             "one after the other, the first alternating by cycle) per front door. Times in "
-             "ms, of the whole request as its client saw it.", "",
+             f"{result['cycles']} cycles, each measuring every pair (an engram-engine front "
+             "door's window and a plain one's, one after the other, the first alternating by "
+             "cycle). Times in ms, of the whole request as its client saw it.", "",
              "| windows | answered | failed | req/s | p50 | p99 | TTFT p50 (streamed) | "
              + " | ".join(f"p50 {kind}" for kind in KINDS) + " |", "|" + " --- |" * 11]
     for case, c in result["cases"].items():
         lines.append(f"| {case} | {c['answered']} | {c['failed']} | {c['rps']} | {c['p50_ms']} "
                      f"| {c['p99_ms']} | {c['ttft_p50_ms_streamed']} | "
                      + " | ".join(str(c[f"p50_ms_{kind}"]) for kind in KINDS) + " |")
-    lines += ["", "(`plain:X`: the plain windows paired with front door X's.)", "",
-              "CPU time per answered request (ms, user + system; `ingress`: the serving app's "
-              "ingress replicas; `engine`: its engine replica and vLLM processes; `clients`: "
-              "the load generator; `host`: every process of the machine, the idle app's too):",
-              ""]
+    lines += ["", "CPU time per answered request (ms, user + system; `ingress`: the serving "
+              "front door's ingress replicas; `engine`: its engine replica and vLLM processes; "
+              "`clients`: the load generator; `host`: every process of the machine, the idle "
+              "ones too):", ""]
     roles = list(next(iter(result["cases"].values()))["cpu_ms_per_request"])
     lines += ["| windows | " + " | ".join(roles) + " | ingress / host |",
               "|" + " --- |" * (len(roles) + 2)]
@@ -510,34 +552,33 @@ def markdown(result: dict) -> str:
                      + f" | {share} |")
     target = (f"target: req/s ratio >= {MIN_RPS_RATIO}, p50 ratio <= {MAX_P50_RATIO}, no "
               "failed request")
-    lines += ["", f"Against plain, each front door's windows pooled over the plain windows "
-              f"paired with them (the issue's target: the whole stack; {target}):", "",
-              "| front door | req/s ratio | p50 ratio | met | median of pairs: req/s, p50 | "
+    lines += ["", "Each pair, its front door's windows pooled over the plain windows beside "
+              f"them (issue 28's targets: engram-2 / plain and engram-2 / plain-2; {target}):",
+              "", "| pair | req/s ratio | p50 ratio | met | median of pairs: req/s, p50 | "
               "per pair: req/s ratio | per pair: p50 ratio |", "|" + " --- |" * 7]
-    for door, c in result["comparison"]["plain"].items():
+    for label, c in result["comparison"]["pairs"].items():
         m = c["median_of_pairs"]
-        lines.append(f"| {door} | {c['rps_ratio']} | {c['p50_ratio']} | "
+        lines.append(f"| {label} | {c['rps_ratio']} | {c['p50_ratio']} | "
                      f"{'yes' if c['met'] else 'no'} | {m['rps_ratio']}, {m['p50_ratio']} | "
                      f"{', '.join(str(p['rps_ratio']) for p in c['per_pair'])} | "
                      f"{', '.join(str(p['p50_ratio']) for p in c['per_pair'])} |")
-    for base in RAY_DOORS:
-        lines += ["", f"Against `{base}` (Ray Serve LLM's ingress over the same engine: the "
-                  f"ingress's cost): the ratios to plain above divided by {base}'s ({target}):",
-                  "", "| front door | req/s ratio | p50 ratio | met |", "|" + " --- |" * 4]
-        for door, c in result["comparison"][base].items():
-            lines.append(f"| {door} | {c['rps_ratio']} | {c['p50_ratio']} | "
-                         f"{'yes' if c['met'] else 'no'} |")
-    lines += ["", "Each pair:", "", "| cycle | front door | first | replicas running "
-              "| req/s | plain req/s | p50 | plain p50 | host load 1m before | CPU s in the front "
-              "door's window: ingress, host | in plain's: ingress, host |",
-              "|" + " --- |" * 11]
+    lines += ["", "Against `ray-ingress` (Ray Serve LLM's ingress over the same engine: the "
+              "ingress's cost alone): the ratios to plain above divided by ray-ingress's "
+              f"({target}):", "", "| front door | req/s ratio | p50 ratio | met |",
+              "|" + " --- |" * 4]
+    for door, c in result["comparison"]["ray-ingress"].items():
+        lines.append(f"| {door} | {c['rps_ratio']} | {c['p50_ratio']} | "
+                     f"{'yes' if c['met'] else 'no'} |")
+    lines += ["", "Each pair:", "", "| cycle | pair | first | replicas running | req/s | "
+              "plain req/s | p50 | plain p50 | host load 1m before | CPU s in the front door's "
+              "window: ingress, host | in plain's: ingress, host |", "|" + " --- |" * 11]
     for p in result["pairs"]:
-        lines.append(f"| {p['cycle']} | {p['door']} | {p['first']} | "
+        lines.append(f"| {p['cycle']} | {p['door']} / {p['base']} | {p['first']} | "
                      f"{json.dumps(p['replicas_running'])} | {p['door_rps']} | "
-                     f"{p['plain_rps']} | {p['door_p50_ms']} | {p['plain_p50_ms']} | "
+                     f"{p['base_rps']} | {p['door_p50_ms']} | {p['base_p50_ms']} | "
                      f"{p['load_avg_1m_before']} | {p['door_cpu_s']['ingress']}, "
-                     f"{p['door_cpu_s']['host']} | {p['plain_cpu_s']['ingress']}, "
-                     f"{p['plain_cpu_s']['host']} |")
+                     f"{p['door_cpu_s']['host']} | {p['base_cpu_s']['ingress']}, "
+                     f"{p['base_cpu_s']['host']} |")
     errors = sorted({e for c in result["cases"].values() for e in c["errors"]})
     if errors:
         lines += ["", "Errors seen (first of each kind):", ""] + [f"- {e}" for e in errors]
@@ -552,7 +593,7 @@ def main() -> None:
                         help="seconds of the load before each measured window")
     parser.add_argument("--duration-s", type=float, default=16.0,
                         help="seconds of each measured window")
-    parser.add_argument("--cycles", type=int, default=8,
+    parser.add_argument("--cycles", type=int, default=6,
                         help="each front door's pair of windows once per cycle")
     parser.add_argument("--settle-s", type=float, default=60.0,
                         help="more seconds of load before the first window (it follows Ray's "
