@@ -68,6 +68,13 @@ shared memory, its lookups timed for its metrics; the plain one: whole in the en
 filled by vLLM's weight loading), so against plain the figures are the whole stack (the
 issue's target); against ray-ingress the ingress alone.
 
+Pooled over runs: a window's req/s moves by about 10% from one window to the next (the pairs'
+ratios of one run range over 0.8x-1.25x), so one run's pooled ratios move by a few percent
+from run to run. latest.md therefore also pools every pair of every run in `history.jsonl`
+that measured this way (all front doors up, none swapped: pairs without `swap_s`) with this
+run's: per pair of front doors, the req/s ratio of the summed requests, the median of the
+pairs' p50 ratios, and 95% bootstrap intervals of both (resampled pairs).
+
 Writes `benchmarks/results/ingress/latest.md` and a line of its `history.jsonl` (`--results
 DIR` elsewhere); `--quick` (one short cycle) only prints its table: a smoke run, not a result.
 """
@@ -585,6 +592,56 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pooled_runs(history: Path, result: dict, resamples: int = 4000) -> dict:
+    """{pair label: pooled figures} over this run and every run of `history` whose front
+    doors were all up and never swapped (module doc, "Pooled over runs")."""
+    import random
+
+    runs = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] \
+        if history.exists() else []
+    runs = [r for r in runs if r.get("pairs") and not any("swap_s" in p for p in r["pairs"])]
+    by_label: dict[str, list] = {}
+    for run in [*runs, result]:
+        for p in run["pairs"]:
+            base = p.get("base", PLAIN)  # adf06ff's run: every pair against plain
+            door_rps, base_rps = p["door_rps"], p.get("base_rps", p.get("plain_rps"))
+            p50_ratio = p["door_p50_ms"] / p.get("base_p50_ms", p.get("plain_p50_ms"))
+            by_label.setdefault(f"{p['door']} / {base}", []).append(
+                (door_rps * run["duration_s"], base_rps * run["duration_s"], p50_ratio,
+                 run["commit"]))
+    rng = random.Random(0)
+
+    def interval(values: list, stat) -> list[float]:
+        draws = sorted(stat([rng.choice(values) for _ in values]) for _ in range(resamples))
+        return [round(draws[int(0.025 * resamples)], 3), round(draws[int(0.975 * resamples)], 3)]
+
+    def rps(rows):
+        return sum(r[0] for r in rows) / sum(r[1] for r in rows)
+
+    def p50(rows):
+        return statistics.median(r[2] for r in rows)
+
+    return {label: {"pairs": len(rows), "runs": len({r[3] for r in rows}),
+                    **_met(rps(rows), p50(rows)),
+                    "rps_ratio_95": interval(rows, rps), "p50_ratio_95": interval(rows, p50)}
+            for label, rows in by_label.items()}
+
+
+def pooled_markdown(pooled: dict) -> str:
+    lines = ["", "Pooled over runs (this one and every earlier run in history.jsonl with all "
+             "front doors up and none swapped; req/s ratio of the summed requests, median of "
+             "the pairs' p50 ratios, 95% bootstrap intervals over the pairs; target: req/s "
+             f"ratio >= {MIN_RPS_RATIO}, p50 ratio <= {MAX_P50_RATIO}):", "",
+             "| pair | runs | pairs | req/s ratio | 95% interval | p50 ratio (median) | "
+             "95% interval | met |", "|" + " --- |" * 8]
+    for label, c in pooled.items():
+        lines.append(f"| {label} | {c['runs']} | {c['pairs']} | {c['rps_ratio']} | "
+                     f"{c['rps_ratio_95'][0]}-{c['rps_ratio_95'][1]} | {c['p50_ratio']} | "
+                     f"{c['p50_ratio_95'][0]}-{c['p50_ratio_95'][1]} | "
+                     f"{'yes' if c['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
@@ -594,7 +651,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=16.0,
                         help="seconds of each measured window")
     parser.add_argument("--cycles", type=int, default=6,
-                        help="each front door's pair of windows once per cycle")
+                        help="every pair of windows once per cycle")
     parser.add_argument("--settle-s", type=float, default=60.0,
                         help="more seconds of load before the first window (it follows Ray's "
                              "start and the tiny model's making)")
@@ -616,7 +673,9 @@ def main() -> None:
     if args.quick:
         print(text)
     else:
-        write_results(args.results, result, text)
+        pooled = pooled_runs(Path(args.results) / "history.jsonl", result)
+        write_results(args.results, {**result, "pooled_runs": pooled},
+                      text + pooled_markdown(pooled))
 
 
 if __name__ == "__main__":
