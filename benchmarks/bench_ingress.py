@@ -9,7 +9,7 @@
 ingress replica), and with two ingress replicas against its ingress with two, at least 90% of
 its requests per second on the same tiny model and a p50 latency at most 5% above its.
 
-Two vLLM CPU engines (one {"CPU": 1} bundle each) and six front doors serve the whole run,
+Two vLLM CPU engines (one {"CPU": 1} bundle each) and seven front doors serve the whole run,
 side by side in one Ray instance; nothing is redeployed while it measures:
 
     the plain engine, `build_openai_app`'s, of the engram engine's own LLMConfig
@@ -21,12 +21,15 @@ side by side in one Ray instance; nothing is redeployed while it measures:
       plain-2        the same ingress with two replicas (`build_openai_app`'s
                      `ingress_deployment_config` num_replicas 2) over the same engine, at
                      /plain-2
-    the engram engine (`LocalDeployment`, one peer group of one engine), with three front
+    the engram engine (`LocalDeployment`, one peer group of one engine), with four front
                doors over that one group (the group, its engine and the coordinator shared):
       engram-2       the app's own front door at /: engram-ray's ingress as configured by
                      default (2 replicas), deployed as `serve deploy` deploys it
       engram-1       the same ingress (`engram_ray.serve.app._ingress`, as `build_app` makes
                      it) with serving.ingress.num_replicas 1, at /engram-1
+      engram-1-threads  engram-1 without `engram_ray.serve.app.INGRESS_ENV_VARS` (Serve's
+                     default threads: user code in a thread of its own, the router in a loop
+                     of its own), at /engram-1-threads
       ray-ingress    Ray Serve LLM's own `OpenAiIngress`, made as build_openai_app makes it
                      (one replica), over the same group, at /ray-ingress: against it, engram-1
                      is the ingress's cost alone (engine and member router shared)
@@ -40,6 +43,8 @@ after the other (which goes first alternates by cycle):
     engram-2 / plain-2   two ingress replicas against two (the second target)
     engram-1 / plain     one against one
     ray-ingress / plain  Ray's ingress on each engine: what the engines alone differ by
+    engram-1-threads / plain   engram-1 without INGRESS_ENV_VARS (a diagnostic: what running
+                         the ingress's code and router on the replica's one event loop does)
 
 In a window `--concurrency` closed-loop clients (`engram_ray.local.loadgen.Traffic`:
 completions and chat, streamed and not, in turn; `--max-tokens`, greedy, one prompt) send to
@@ -96,7 +101,9 @@ from common import add_results_argument, environment, write_results  # noqa: E40
 
 # Front doors over the engram engine -> their ingress replicas (None: the default: the
 # config's, or build_openai_app's).
-ENGRAM_DOORS = {"engram-2": None, "engram-1": 1}
+ENGRAM_DOORS = {"engram-2": None, "engram-1": 1, "engram-1-threads": 1}
+# Front doors without engram-ray's INGRESS_ENV_VARS: Serve's default threads and loops.
+SERVE_THREADS = ("engram-1-threads",)
 RAY_DOORS = {"ray-ingress": None}
 DEFAULT_DOOR = "engram-2"  # the engram app's own front door (the config's default), at /
 PLAIN = "plain"  # build_openai_app's application: its name and route (/plain)
@@ -104,7 +111,7 @@ PLAIN_2 = "plain-2"  # its ingress with two replicas, over its engine (/plain-2)
 BASES = (PLAIN, PLAIN_2)
 # Each pair: (front door over the engram engine, plain front door) (module doc).
 PAIRS = (("engram-2", PLAIN), ("engram-2", PLAIN_2), ("engram-1", PLAIN),
-         ("ray-ingress", PLAIN))
+         ("ray-ingress", PLAIN), ("engram-1-threads", PLAIN))
 MIN_RPS_RATIO, MAX_P50_RATIO = 0.90, 1.05  # issue 28's targets
 KINDS = {f"{'chat' if chat else 'completions'}{'_stream' if stream else ''}": (chat, stream)
          for chat in (False, True) for stream in (False, True)}
@@ -221,6 +228,11 @@ def door_app(deployment, door: str):
     llm = app.llm_config(config, PeerGroupPlan(groups[0], Domain("local", (), 1, {}), 0, 1))
     if door in RAY_DOORS:
         return ray_ingress(llm, engines, name, RAY_DOORS[door])
+    if door in SERVE_THREADS:
+        from unittest import mock
+
+        with mock.patch.object(app, "INGRESS_ENV_VARS", {}):
+            return app._ingress(llm, engines, name)
     return app._ingress(llm, engines, name)
 
 
