@@ -75,8 +75,9 @@ issue's target); against ray-ingress the ingress alone.
 
 Pooled over runs: plain's own windows vary by about 10% in req/s within a run (the pairs'
 ratios of one run ranged over 0.72x-1.27x in the runs of 2026-12-05), so one run's pooled
-ratios move by a few percent from run to run. latest.md therefore also pools every pair of every run in `history.jsonl`
-that measured this way (all front doors up, none swapped: pairs without `swap_s`) with this
+ratios move by a few percent from run to run. latest.md therefore also pools every pair of
+every run in `history.jsonl` that measured this way (all front doors up, none swapped: pairs
+without `swap_s`) with this
 run's: per pair of front doors, the req/s ratio of the summed requests, the median of the
 pairs' p50 ratios, and 95% bootstrap intervals of both (resampled pairs).
 
@@ -146,8 +147,8 @@ def plain_llm_config(deployment):
 
 def ray_ingress(config, engines: dict, replicas: int | None = None):
     """Ray Serve LLM's `OpenAiIngress` over the engine deployment of `engines` ({group:
-    (deployment, application)} as `engram_ray.serve.app._ingress` takes them; the first), with the options `build_openai_app` gives
-    it (as in `plain_app`) and `replicas` if set."""
+    (deployment, application)} as `engram_ray.serve.app._ingress` takes them; the first),
+    with the options `build_openai_app` gives it (as in `plain_app`) and `replicas` if set."""
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.builder import (
