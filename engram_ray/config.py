@@ -159,8 +159,10 @@ class DeploymentConfig(Section):
         "cuda only)"))
     fill: Literal[FILLS] = Field("synthetic", description=(
         "table contents: 'synthetic' (deterministic rows) or 'checkpoint' (the model's Engram "
-        "weights)"))
-    checkpoint: Text | None = Field(None, description="checkpoint folder when fill is 'checkpoint'")
+        "weights); in a Serve app left out: `checkpoint` (`synthetic` with `load_format: dummy`)"))
+    checkpoint: Text | None = Field(None, description=(
+        "checkpoint folder when fill is 'checkpoint'; in a Serve app left out: "
+        "`serving.model_source`"))
     rendezvous_timeout_s: Seconds = Field(300.0, description=(
         "seconds a group's members wait for each other at startup before failing"))
     placement_timeout_s: Seconds = Field(120.0, description=(

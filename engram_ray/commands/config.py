@@ -1,20 +1,30 @@
 """`engram-ray config schema`: the JSON schema of a Serve application's `args` (`deployment`,
-`serving`, and a group application's `group`), made from the config models (`engram_ray.serve.config.ServeAppConfig`): every
-setting with its type, bounds, default and description, unknown keys refused. Point an editor's
-YAML support at it (completion and checks while typing), e.g.
+`serving`, and a group application's `group`), made from the config models
+(`engram_ray.serve.config.ServeAppConfig`): every setting with its type, bounds, default and
+description, unknown keys refused. Point an editor's YAML support at it (completion and checks
+while typing), e.g.
 
     engram-ray config schema > engram-ray-args.schema.json
 
 The checks across settings (a peer group holds whole data-parallel gangs, ...) and the names
 vLLM and Ray Serve take (`engine_kwargs`, ...) are not in it: `engram-ray check` runs those.
+
+`engram-ray config tables [FILE] [--check]`: every section's settings as a markdown table
+(field, default, meaning: the models' descriptions, the schema's). With FILE, the table after
+each `<!-- settings: SECTION -->` line of FILE is replaced by the generated one (the README's
+tables are made this way, so they are the models' text); `--check` changes nothing and exits 1
+naming each section whose table differs.
 """
 
 from __future__ import annotations
 
 import json
 
-HELP = "print the JSON schema of a Serve app's args (deployment, serving) for editors"
+from engram_ray.errors import EngramRayError
+
+HELP = "the Serve app's args (deployment, serving): JSON schema for editors, settings tables"
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"  # what pydantic writes
+MARKER = "<!-- settings: {} -->"  # the line before a section's table in a markdown file
 
 
 def configure(parser) -> None:
@@ -22,11 +32,94 @@ def configure(parser) -> None:
     sub.add_parser("schema", help="print the JSON schema of the args on stdout",
                    description="print the JSON schema of a Serve application's args "
                                "(deployment, serving) on stdout")
+    tables = sub.add_parser("tables", help="every section's settings as markdown tables",
+                            description="print every section's settings as markdown tables, "
+                                        "or write them into FILE after its "
+                                        f"{MARKER.format('SECTION')} lines")
+    tables.add_argument("file", nargs="?", help="markdown file whose tables to write")
+    tables.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a table of FILE differs")
 
 
 def run(args) -> int:
-    print(json.dumps(app_args_schema(), indent=2))
+    if args.action == "schema":
+        print(json.dumps(app_args_schema(), indent=2))
+        return 0
+    if args.file is None:
+        if args.check:
+            raise EngramRayError("tables --check needs the FILE to check: engram-ray config "
+                                 "tables FILE --check")
+        print("\n\n".join(f"{MARKER.format(name)}\n{table}"
+                           for name, table in settings_tables().items()))
+        return 0
+    from pathlib import Path
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise EngramRayError(f"tables: {args.file!r} is not a file (a markdown file with "
+                             f"{MARKER.format('SECTION')} lines)")
+    updated, stale = with_tables(path.read_text(), args.file)
+    if args.check:
+        for name in stale:
+            print(f"{args.file}: the table of {name} differs from the config models "
+                  f"(engram-ray config tables {args.file} writes it)")
+        return 1 if stale else 0
+    if stale:
+        path.write_text(updated)
+    print(f"{args.file}: {len(stale)} of {len(settings_tables())} tables written")
     return 0
+
+
+def settings_tables() -> dict[str, str]:
+    """{section path: markdown table of its settings}, every section of a Serve app's args."""
+    from engram_ray.serve.config import ServeAppConfig
+
+    tables, todo = {}, [("", ServeAppConfig)]
+    while todo:
+        prefix, model = todo.pop(0)
+        for name, info in model.model_fields.items():
+            if isinstance(info.annotation, type) and hasattr(info.annotation, "model_fields"):
+                todo.append((f"{prefix}{name}.", info.annotation))
+        if prefix:
+            tables[prefix.rstrip(".")] = settings_table(model)
+    return tables
+
+
+def settings_table(model) -> str:
+    """A section's settings: field, default (`unset` for None, `see below` for a section) and
+    its description."""
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    for name, info in model.model_fields.items():
+        rows.append(f"| `{name}` | {_default_cell(info)} | "
+                    + info.description.replace("|", "\\|") + " |")
+    return "\n".join(rows)
+
+
+def _default_cell(info) -> str:
+    default = info.get_default(call_default_factory=True)
+    if hasattr(default, "model_fields"):
+        return "see below"
+    if default is None:
+        return "unset"
+    is_scalar = isinstance(default, (str, int, float)) and not isinstance(default, bool)
+    return f"`{default if is_scalar else json.dumps(default)}`"
+
+
+def with_tables(text: str, source: str) -> tuple[str, list[str]]:
+    """`text` with each section's table (the lines up to a blank one after its marker)
+    replaced by the generated one, and the sections whose table that changed."""
+    lines, stale = text.split("\n"), []
+    for name, table in settings_tables().items():
+        marker = MARKER.format(name)
+        if marker not in lines:
+            raise EngramRayError(f"tables: {source} has no line {marker!r} (the line "
+                                 f"before the table of {name})")
+        start = lines.index(marker) + 1
+        end = lines.index("", start) if "" in lines[start:] else len(lines)
+        if lines[start:end] != table.split("\n"):
+            lines[start:end] = table.split("\n")
+            stale.append(name)
+    return "\n".join(lines), stale
 
 
 def app_args_schema() -> dict:

@@ -34,7 +34,7 @@ class RequestLimits(Section):
     vLLM allows, max_model_len less the prompt, per choice (`engram_ray.serve.request_caps`)."""
 
     max_body_bytes: Count = Field(8 * 2**20, description=(
-        "largest request body in bytes (413 above it)"))
+        "largest request body in bytes (8 MiB; 413 above it)"))
     max_n: Count = Field(8, description="largest `n` (choices per prompt)")
     max_generated_tokens: Count = Field(65536, description=(
         "largest prompts x n x max_tokens of one request"))
@@ -47,9 +47,10 @@ class RequestLimits(Section):
         "largest `logprobs` (completions), `top_logprobs` (chat) and `prompt_logprobs` (vLLM's "
         "own default cap)"))
     max_guided_chars: Count = Field(32768, description=(
-        "longest guided-decoding constraint, in characters of its JSON text: guided_json, "
-        "guided_regex, guided_grammar, guided_choice, structural_tag, structured_outputs, "
-        "response_format's schema, each tool's parameters"))
+        "longest guided-decoding constraint, in characters of its JSON text (vLLM compiles it "
+        "before the first token): `guided_json`, `guided_regex`, `guided_grammar`, "
+        "`guided_choice`, `structural_tag`, `structured_outputs`, `response_format`'s schema, "
+        "each tool's `parameters`"))
     max_logit_bias: Count = Field(300, description=(
         "largest number of `logit_bias` entries (OpenAI's limit)"))
     max_tools: Count = Field(128, description="largest number of `tools` (OpenAI's limit)")
@@ -65,9 +66,11 @@ class IngressConfig(Section):
         "the OpenAI ingress replicas; 2 by default so that the front door is not a single point "
         "of failure"))
     autoscaling_config: dict | None = Field(None, description=(
-        "Ray Serve `autoscaling_config` of the ingress deployment (e.g. `min_replicas`, "
-        "`max_replicas`, `target_ongoing_requests`; keys checked against Serve's at build time); "
-        "when set, it decides the replicas and num_replicas must be left out"))
+        "Ray Serve `autoscaling_config` of the ingress deployment (`min_replicas`, "
+        "`max_replicas`, `target_ongoing_requests`, ...; keys checked against Serve's when the "
+        "app is built and by `engram-ray check`); when set it decides the replicas, and "
+        f"`num_replicas` must be left out (a `num_replicas` other than {DEFAULT_INGRESS_REPLICAS} "
+        "beside it is refused naming both)"))
 
     def _check(self) -> None:
         # Serve takes one of the two; a num_replicas beside autoscaling would be ignored.
@@ -93,15 +96,14 @@ class RolloutConfig(Section):
     """How `serve deploy` of a changed config replaces the groups that serve."""
 
     mode: Literal[ROLLOUT_MODES] = Field("beside", description=(
-        "'beside': each group's new gang starts beside the serving one (it needs "
-        "deployment.peer_group_size free engine slots in the group's NVLink domain; groups "
+        "`beside`: each group's new gang starts beside the serving one (it needs "
+        "`deployment.peer_group_size` free engine slots in the group's NVLink domain; groups "
         "sharing a domain roll one after another as slots free up) and takes over once ready, "
-        "the old one drained; no request fails. 'restart': Serve replaces every group's gang "
-        "at once (no spare slots needed; an outage of one cold start), and a change of a "
-        "setting the groups cannot roll (the model, peer_group_size, the table backend) is "
-        "applied"))
+        "the old one drained: no request fails. `restart`: Serve replaces every group's gang "
+        "at once (no spare slots needed; an outage of one cold start), and a change the groups "
+        f"cannot roll ({', '.join(f'`{key}`' for key in FIXED_WHILE_SERVING)}) is applied"))
     drain_timeout_s: Seconds = Field(60.0, description=(
-        "'beside': how long a replaced gang may finish the requests it runs before it stops"))
+        "`beside`: how long a replaced gang may finish the requests it runs before it stops"))
 
 
 class ServingConfig(Section):
@@ -131,27 +133,32 @@ class ServingConfig(Section):
         "must be 1: the peer split requires PP=1"))
     max_model_len: Count | None = Field(None, description="context length (default: the model's)")
     engine_kwargs: dict = Field(default_factory=dict, description=(
-        "further vLLM engine arguments, passed as they are"))
+        "further vLLM engine arguments (names checked against vLLM's when the app is built and "
+        "by `engram-ray check`)"))
     host_kv_cache_gib: Annotated[float, Gt(0)] | Literal["auto"] | None = Field(None, description=(
         "host KV cache of each engine: vLLM's CPU KV-cache offloading (engine argument "
-        "kv_offloading_size) of this many GiB, or 'auto': the host memory the peer split frees "
-        "per GPU against CPU offload over data_parallel_size (`engram-ray plan --compare`) less "
-        "host_kv_reserve_gib; unset: none"))
+        "`kv_offloading_size`) of this many GiB, or `auto`: the host memory the peer split frees "
+        "per GPU against CPU offload over `data_parallel_size` (`engram-ray plan --compare`) "
+        "less `host_kv_reserve_gib`; unset: none"))
     host_kv_reserve_gib: Amount = Field(HOST_KV_RESERVE_GIB, description=(
-        "host memory per GPU kept back from the freed memory host_kv_cache_gib may use (OS, "
+        "host memory per GPU kept back from the freed memory `host_kv_cache_gib` may use (OS, "
         "engine process, Ray object store)"))
-    num_cpus_per_replica: Amount = Field(1.0, description="CPUs of one replica (and its engine)")
+    num_cpus_per_replica: Amount = Field(1.0, description=(
+        "CPUs of one replica (and its engine); left out: `deployment.num_cpus_per_engine`"))
     metrics_bind_address: Text = Field(NODE_ADDRESS, description=(
-        "address the engines' /metrics and the coordinator's http_sd listen on: 'node' (the "
-        "node's own address, as Ray reports it: what Prometheus scrapes), an address (127.0.0.1), "
-        "or 0.0.0.0 (every interface, only when asked)"))
+        "address the engines' /metrics and the coordinator's http_sd listen on: `node` (the "
+        "node's own address as Ray reports it, `ray.util.get_node_ip_address()`: what "
+        "Prometheus scrapes), an address (`127.0.0.1` locally), or `0.0.0.0` (every interface; "
+        "only when set)"))
     metrics_port: Port = Field(0, description=(
-        "base port of the engines' /metrics: the engine in slot s of its node (one engine per "
-        "GPU) serves on metrics_port + 2s and its model process on + 2s + 1 (named engram-<s> and "
-        "engram-<s>-model); 0 picks free ports"))
+        "base port of the engines' /metrics: the engine in slot s of its node (slots 0, 1, ... "
+        "per node, one engine per GPU) serves on `metrics_port + 2s` (port name `engram-<s>`) "
+        "and its model process on `+ 2s + 1` (`engram-<s>-model`), the same on every node; a "
+        "port taken on the node is a clear error naming it; 0 picks free ports"))
     http_sd_port: Port = Field(0, description=(
-        "port on the head node of a Prometheus HTTP service-discovery endpoint (http_sd_configs, "
-        "GET /targets) listing every engine's /metrics; 0: none (the file_sd list only)"))
+        "port on the head node (the coordinator) of a Prometheus HTTP service-discovery "
+        "endpoint, `GET /targets` in the `http_sd_configs` format, listing every engine's "
+        "/metrics; 0: none (file_sd only)"))
     prometheus_targets_file: Text = Field(DEFAULT_TARGETS_FILE, description=(
         "file_sd list of every engine's /metrics, kept current on the head node"))
     request_limits: RequestLimits = Field(default_factory=RequestLimits, description=(
@@ -161,12 +168,17 @@ class ServingConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description=(
         "how `serve deploy` of a changed config replaces the serving groups (`RolloutConfig`)"))
     llm_config: dict = Field(default_factory=dict, description=(
-        "further options of Ray Serve LLM's `LLMConfig` (e.g. `log_engine_metrics`, "
-        "`runtime_env`, `accelerator_type`); the ones the app sets are refused by name"))
+        "further options of Ray Serve LLM's `LLMConfig`, e.g. `log_engine_metrics: true` (vLLM's "
+        "series then go to Ray's metrics export as `ray_vllm_*`, read by Ray's Serve LLM "
+        "dashboard, instead of the engine's /metrics: never both), `runtime_env`, "
+        "`accelerator_type`; the ones the app sets (`engine_kwargs`, `deployment_config`, ...) "
+        "are refused naming where to write them"))
     deployment_options: dict = Field(default_factory=dict, description=(
-        "further Serve deployment options of each group's deployment (e.g. "
-        "`graceful_shutdown_timeout_s`, `max_ongoing_requests`); the ones peer groups own "
-        "(replicas, autoscaling, placement, gang, health checks) are refused by name"))
+        "further Serve deployment options of each group's deployment, e.g. "
+        "`graceful_shutdown_timeout_s`, `graceful_shutdown_wait_loop_s`, `max_ongoing_requests` "
+        "(256), `max_queued_requests`; the ones peer groups own (`num_replicas`, "
+        "`autoscaling_config`, placement, `ray_actor_options`, health checks, `name`) are "
+        "refused naming the setting that decides them"))
 
     def _check(self) -> None:
         refuse_owned_options(self)

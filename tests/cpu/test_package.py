@@ -46,17 +46,22 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
     assert result.stdout.strip() == "24"
 
 
-def test_readme_describes_every_deployment_and_serving_field():
-    from engram_ray.config import DeploymentConfig
-    from engram_ray.serve.config import IngressConfig, RolloutConfig, ServingConfig
+def test_readme_settings_tables_are_the_config_models():
+    """The README's settings tables are what `engram-ray config tables README.md` writes: every
+    field of every section, with the models' defaults and descriptions (the schema's)."""
+    from engram_ray.commands.config import settings_tables, with_tables
+    from engram_ray.serve.config import ServeAppConfig
 
     readme = (REPO / "README.md").read_text()
     lines = readme.splitlines()
     assert lines[lines.index("```bash") + 1].startswith("bash scripts/local.sh")
     assert lines[lines.index("```bash") + 2].startswith("bash scripts/test.sh")
-    for cls in (DeploymentConfig, ServingConfig, IngressConfig, RolloutConfig):
-        for name in cls.model_fields:
-            assert f"| `{name}` |" in readme, f"README lacks {cls.__name__}.{name}"
+    assert with_tables(readme, "README.md")[1] == [], "engram-ray config tables README.md"
+    tables = settings_tables()
+    assert list(tables) == ["deployment", "serving", "serving.request_limits",
+                            "serving.ingress", "serving.rollout"]
+    for name in ServeAppConfig.model_fields["serving"].annotation.model_fields:
+        assert f"| `{name}` |" in tables["serving"]
 
 
 def test_base_install_has_no_engine_dependencies():

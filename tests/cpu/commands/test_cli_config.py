@@ -1,5 +1,6 @@
 """`engram-ray config schema`: a JSON schema of the Serve app args that the project's own Serve
-YAMLs (and KubeRay's embedded ones) pass and a typo fails."""
+YAMLs (and KubeRay's embedded ones) pass and a typo fails; `engram-ray config tables`: the
+settings tables of a markdown file written from the models, a stale one found by `--check`."""
 
 import json
 from pathlib import Path
@@ -63,3 +64,38 @@ def test_schema_passes_the_projects_serve_yamls_and_fails_a_typo(schema):
     assert any("does not match '^group-[0-9]+$'" in e for e in errors), errors
     assert any("'peer_group_sise' was unexpected" in e for e in errors), errors
     assert any("less than the minimum of 1" in e for e in errors), errors
+
+
+def test_tables_are_written_into_a_file_and_checked(tmp_path, capsys):
+    from engram_ray.commands.config import MARKER, settings_tables
+
+    tables = settings_tables()
+    doc = tmp_path / "settings.md"
+    body = [f"{MARKER.format(name)}\n| field | default | meaning |\n| --- | --- | --- |\n"
+            "| `old` | `1` | gone |" for name in tables]
+    doc.write_text("# Settings\n\n" + "\n\nprose\n\n".join(body) + "\n\nthe end\n")
+    assert main(["config", "tables", str(doc), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert all(f"the table of {name} differs" in out for name in tables), out
+    assert "`old`" in doc.read_text()  # --check wrote nothing
+    assert main(["config", "tables", str(doc)]) == 0
+    text = doc.read_text()
+    assert "`old`" not in text and text.count("\n\nprose\n\n") == len(tables) - 1
+    assert text.startswith("# Settings\n\n") and text.endswith("\n\nthe end\n")
+    for table in tables.values():
+        assert table in text
+    assert "| `num_replicas` | `2` | the OpenAI ingress replicas" in tables["serving.ingress"]
+    assert "| `autoscaling_config` | unset |" in tables["serving.ingress"]
+    assert main(["config", "tables", str(doc), "--check"]) == 0
+
+
+def test_tables_name_a_missing_marker_and_a_missing_file(tmp_path, capsys):
+    doc = tmp_path / "settings.md"
+    doc.write_text("<!-- settings: deployment -->\n| field |\n")
+    for args, error in (([str(doc)], "has no line '<!-- settings: serving -->' (the line "
+                                     "before the table of serving)"),
+                        ([str(tmp_path / "missing.md")], "missing.md' is not a file"),
+                        (["--check"], "--check needs the FILE to check")):
+        assert main(["config", "tables", *args]) == 2
+        assert error in capsys.readouterr().err
+    assert doc.read_text() == "<!-- settings: deployment -->\n| field |\n"

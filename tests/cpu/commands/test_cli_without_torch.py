@@ -1,4 +1,4 @@
-"""`pip install engram-ray` without extras: `plan`, `node-labels`, `doctor`, `config schema`,
+"""`pip install engram-ray` without extras: `plan`, `node-labels`, `doctor`, `config`,
 `--help` and `--version` run with torch, Ray and vLLM unimportable, and the dashboards are
 package data."""
 
@@ -44,7 +44,8 @@ def test_the_blocker_blocks():
 
 @pytest.mark.parametrize("args", [["plan", "--compare"], ["plan", "--json"], ["--version"],
                                   ["--help"], ["plan", "--help"], ["node-labels", "--json"],
-                                  ["doctor", "--json"], ["config", "schema"]])
+                                  ["doctor", "--json"], ["config", "schema"],
+                                  ["config", "tables"]])
 def test_commands_run_without_torch(args):
     result = run_blocked(*args)
     assert result.returncode == 0, result.stderr
@@ -52,6 +53,8 @@ def test_commands_run_without_torch(args):
         assert "94.42 GiB freed per GPU" in result.stdout
     if args == ["config", "schema"]:
         assert "IngressConfig" in json.loads(result.stdout)["$defs"]
+    if args == ["config", "tables"]:
+        assert "<!-- settings: serving.ingress -->\n| field | default | meaning |" in result.stdout
     if args == ["doctor", "--json"]:
         gpus = {c["name"]: c for c in json.loads(result.stdout)}["GPUs"]
         assert gpus["status"] == "info" and "no CUDA GPUs" in gpus["detail"]
