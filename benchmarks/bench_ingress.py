@@ -228,8 +228,7 @@ def door_app(deployment, door: str):
     config = ServeAppConfig.from_dict(args)
     name, server_cls = config.deployment.name, app.server_class(config)
     groups = [f"group-{i}" for i in range(config.serving.num_peer_groups)]
-    engines = {g: (app.engine_deployment_name(server_cls, name, g), app.group_app_name(name, g))
-               for g in groups}
+    engines = app.group_engines(server_cls, name, groups)
     llm = app.llm_config(config, PeerGroupPlan(groups[0], Domain("local", (), 1, {}), 0, 1))
     if door in RAY_DOORS:
         return ray_ingress(llm, engines, RAY_DOORS[door])

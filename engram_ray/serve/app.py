@@ -124,6 +124,13 @@ def engine_deployment_name(server_cls, deployment_name: str, group_id: str) -> s
     return f"{server_cls.__name__}:{deployment_name}:{group_id}"
 
 
+def group_engines(server_cls, deployment_name: str, group_ids) -> dict[str, tuple[str, str]]:
+    """{group id: (its engine deployment, its application)}: where the ingress sends a
+    group's requests."""
+    return {g: (engine_deployment_name(server_cls, deployment_name, g),
+                group_app_name(deployment_name, g)) for g in group_ids}
+
+
 def group_args(args: dict, group_id: str) -> dict:
     """A group application's `args`: the front door's without the settings only the front
     door reads (`FRONT_DOOR_SETTINGS` of `engram_ray.serve.config`: a change of them leaves
@@ -168,8 +175,7 @@ def build_front_door(args: dict, server_cls=None):
     kept = saved_settings(coordinator_name(dep.name))
     groups = plan_groups(dep, app.serving.num_peer_groups, keep=kept and kept["domains"])
     get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name)
-    engines = {g.group_id: (engine_deployment_name(server_cls, dep.name, g.group_id),
-                            group_app_name(dep.name, g.group_id)) for g in groups}
+    engines = group_engines(server_cls, dep.name, [g.group_id for g in groups])
     return _ingress(llm_config(app, groups[0]), engines, dep.name)
 
 
