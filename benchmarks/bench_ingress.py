@@ -595,7 +595,9 @@ def markdown(result: dict) -> str:
               f"({target}):", "", "| front door | req/s ratio | p50 ratio | met |",
               "|" + " --- |" * 4]
     if not result["comparison"]["ray-ingress"]:
-        lines.append("| (ray-ingress / plain not measured in this run) | - | - | - |")
+        measured = "ray-ingress / plain" in result.get("pairs_measured", [])
+        lines.append(f"| (no {'engram front door / plain' if measured else 'ray-ingress / plain'}"
+                     " pair measured in this run) | - | - | - |")
     for door, c in result["comparison"]["ray-ingress"].items():
         lines.append(f"| {door} | {c['rps_ratio']} | {c['p50_ratio']} | "
                      f"{'yes' if c['met'] else 'no'} |")
@@ -684,7 +686,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=16.0,
                         help="seconds of each measured window")
     parser.add_argument("--cycles", type=int, default=6,
-                        help="every pair of windows once per cycle")
+                        help="every pair measured (--pairs) once per cycle")
     parser.add_argument("--settle-s", type=float, default=60.0,
                         help="more seconds of load before the first window (it follows Ray's "
                              "start and the tiny model's making)")

@@ -4,8 +4,9 @@ YAML (or a dict) reaches a section through `from_dict(data, source)`; every fail
 or a section's own check, is one `ConfigError` naming the path of the field at fault
 (`source: section: field`) and what was expected. Adding a setting = adding a field with a
 `Field(default, description=...)` (its type and bounds are checked and go into the JSON schema,
-`engram-ray config schema`) and, if it needs one, a check in the section's `_check`; a nested
-section = a field whose type is another `Section` (see `engram_ray.serve.config`).
+`engram-ray config schema`) and, if it needs one, a check in the section's `_check`, then
+`engram-ray config tables README.md` (the README's settings tables; a test compares them); a
+nested section = a field whose type is another `Section` (see `engram_ray.serve.config`).
 """
 
 from types import NoneType, UnionType

@@ -11,9 +11,10 @@ vLLM and Ray Serve take (`engine_kwargs`, ...) are not in it: `engram-ray check`
 
 `engram-ray config tables [FILE] [--check]`: every section's settings as a markdown table
 (field, default, meaning: the models' descriptions, the schema's). With FILE, the table after
-each `<!-- settings: SECTION -->` line of FILE is replaced by the generated one (the README's
-tables are made this way, so they are the models' text); `--check` changes nothing and exits 1
-naming each section whose table differs.
+each `<!-- settings: SECTION -->` line of FILE (once per section) is replaced by the generated
+one (the README's tables are made this way, so they are the models' text; after a change of a
+setting, `engram-ray config tables README.md`); `--check` changes nothing and exits 1 naming
+each section whose table differs.
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ def run(args) -> int:
     if not path.is_file():
         raise EngramRayError(f"tables: {args.file!r} is not a file (a markdown file with "
                              f"{MARKER.format('SECTION')} lines)")
-    updated, stale = with_tables(path.read_text(), args.file)
+    raw = path.read_bytes().decode()
+    newline = "\r\n" if "\r\n" in raw else "\n"  # written back as the file has them
+    updated, stale = with_tables(raw.replace("\r\n", "\n"), args.file)
     if args.check:
         for name in stale:
             print(f"{args.file}: the table of {name} differs from the config models "
                   f"(engram-ray config tables {args.file} writes it)")
         return 1 if stale else 0
     if stale:
-        path.write_text(updated)
+        path.write_bytes(updated.replace("\n", newline).encode())
     print(f"{args.file}: {len(stale)} of {len(settings_tables())} tables written")
     return 0
 
@@ -96,8 +99,10 @@ def settings_table(model) -> str:
 
 
 def _default_cell(info) -> str:
+    from pydantic import BaseModel
+
     default = info.get_default(call_default_factory=True)
-    if hasattr(default, "model_fields"):
+    if isinstance(default, BaseModel):
         return "see below"
     if default is None:
         return "unset"
@@ -106,16 +111,28 @@ def _default_cell(info) -> str:
 
 
 def with_tables(text: str, source: str) -> tuple[str, list[str]]:
-    """`text` with each section's table (the lines up to a blank one after its marker)
-    replaced by the generated one, and the sections whose table that changed."""
+    """`text` with the table after each section's marker (blank lines between them kept)
+    replaced by the generated one, and the sections whose table that changed. A section's
+    marker missing or twice, or a marker naming no section, is an error naming it."""
+    tables = settings_tables()
     lines, stale = text.split("\n"), []
-    for name, table in settings_tables().items():
+    found = [line.strip() for line in lines if line.strip().startswith(MARKER.split("{}")[0])]
+    unknown = [m for m in found if m not in {MARKER.format(name) for name in tables}]
+    if unknown:
+        raise EngramRayError(f"tables: {source} has {unknown[0]!r}, a marker of no section "
+                             f"(the sections: {', '.join(tables)})")
+    for name, table in tables.items():
         marker = MARKER.format(name)
-        if marker not in lines:
-            raise EngramRayError(f"tables: {source} has no line {marker!r} (the line "
-                                 f"before the table of {name})")
-        start = lines.index(marker) + 1
-        end = lines.index("", start) if "" in lines[start:] else len(lines)
+        if found.count(marker) != 1:
+            raise EngramRayError(f"tables: {source} has the line {marker!r} "
+                                 f"{found.count(marker)} times (once: the line before the "
+                                 f"table of {name})")
+        start = next(i for i, line in enumerate(lines) if line.strip() == marker) + 1
+        while start < len(lines) and not lines[start].strip():
+            start += 1
+        end = start
+        while end < len(lines) and lines[end].lstrip().startswith("|"):
+            end += 1
         if lines[start:end] != table.split("\n"):
             lines[start:end] = table.split("\n")
             stale.append(name)

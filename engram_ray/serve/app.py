@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from engram_ray.errors import ConfigError
 from engram_ray.planning.grouping import PeerGroupPlan, PlacementError
-from engram_ray.serve.config import ServeAppConfig
+from engram_ray.serve.config import MAX_ONGOING_REQUESTS, ServeAppConfig
 
 
 def engine_kwargs(app: ServeAppConfig) -> dict:
@@ -67,7 +67,7 @@ def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
         # A member that does not answer max_missed_pings health checks in a row is taken for
         # dead (Serve then restarts its whole group); a dead actor is noticed at once.
         "health_check_timeout_s": dep.health_check_interval_s * dep.max_missed_pings,
-        "max_ongoing_requests": 256,
+        "max_ongoing_requests": MAX_ONGOING_REQUESTS,
         "ray_actor_options": {"num_cpus": 0},  # its CPUs are in the bundle
         **srv.deployment_options,  # passthrough; the keys groups own are refused in the config
     }

@@ -23,6 +23,7 @@ from engram_ray.serve.library_options import refuse_owned_options
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_INGRESS_REPLICAS = 2
+MAX_ONGOING_REQUESTS = 256  # each engine replica's, unless deployment_options sets it
 DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
 
 
@@ -31,7 +32,8 @@ class RequestLimits(Section):
     before a request reaches an engine; a request over one gets a 400 naming the cap and its
     setting. Generated tokens = prompts x n x max_tokens (chat: max_completion_tokens, else
     max_tokens); without them a completion counts vLLM's default 16 and a chat request what
-    vLLM allows, max_model_len less the prompt, per choice (`engram_ray.serve.request_caps`)."""
+    vLLM allows per choice: max_model_len less a token-id prompt, all of it for a text prompt
+    (`engram_ray.serve.request_caps`)."""
 
     max_body_bytes: Count = Field(8 * 2**20, description=(
         "largest request body in bytes (8 MiB; 413 above it)"))
@@ -133,8 +135,8 @@ class ServingConfig(Section):
         "must be 1: the peer split requires PP=1"))
     max_model_len: Count | None = Field(None, description="context length (default: the model's)")
     engine_kwargs: dict = Field(default_factory=dict, description=(
-        "further vLLM engine arguments (names checked against vLLM's when the app is built and "
-        "by `engram-ray check`)"))
+        "further vLLM engine arguments (names checked against vLLM's, where vLLM can be "
+        "imported, when the app is built and by `engram-ray check`)"))
     host_kv_cache_gib: Annotated[float, Gt(0)] | Literal["auto"] | None = Field(None, description=(
         "host KV cache of each engine: vLLM's CPU KV-cache offloading (engine argument "
         "`kv_offloading_size`) of this many GiB, or `auto`: the host memory the peer split frees "
@@ -162,7 +164,8 @@ class ServingConfig(Section):
     prometheus_targets_file: Text = Field(DEFAULT_TARGETS_FILE, description=(
         "file_sd list of every engine's /metrics, kept current on the head node"))
     request_limits: RequestLimits = Field(default_factory=RequestLimits, description=(
-        "per-request caps of the OpenAI endpoint (`RequestLimits`; 400 naming the cap)"))
+        "per-request caps of the OpenAI endpoint (`RequestLimits`; 400 naming the cap, 413 "
+        "for the body)"))
     ingress: IngressConfig = Field(default_factory=IngressConfig, description=(
         "the OpenAI ingress deployment: its replicas or autoscaling (`IngressConfig`)"))
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description=(
@@ -176,9 +179,9 @@ class ServingConfig(Section):
     deployment_options: dict = Field(default_factory=dict, description=(
         "further Serve deployment options of each group's deployment, e.g. "
         "`graceful_shutdown_timeout_s`, `graceful_shutdown_wait_loop_s`, `max_ongoing_requests` "
-        "(256), `max_queued_requests`; the ones peer groups own (`num_replicas`, "
-        "`autoscaling_config`, placement, `ray_actor_options`, health checks, `name`) are "
-        "refused naming the setting that decides them"))
+        f"({MAX_ONGOING_REQUESTS}), `max_queued_requests`; the ones peer groups own "
+        "(`num_replicas`, `autoscaling_config`, placement, `ray_actor_options`, health checks, "
+        "`name`, ...) are refused by name, with what decides them instead"))
 
     def _check(self) -> None:
         refuse_owned_options(self)

@@ -89,13 +89,43 @@ def test_tables_are_written_into_a_file_and_checked(tmp_path, capsys):
     assert main(["config", "tables", str(doc), "--check"]) == 0
 
 
+def test_tables_keep_what_surrounds_them(tmp_path):
+    """A blank line between marker and table, text right after a table, CRLF line ends: the
+    table alone is replaced, everything else written back as it was."""
+    from engram_ray.commands.config import MARKER, settings_tables
+
+    tables = settings_tables()
+    parts = [f"{MARKER.format(name)}\n\n| `old` | `1` | gone |\nright after {name}"
+             for name in tables]
+    doc = tmp_path / "settings.md"
+    doc.write_bytes("\n\n".join(parts).replace("\n", "\r\n").encode())
+    assert main(["config", "tables", str(doc)]) == 0
+    text = doc.read_bytes().decode()
+    assert "`old`" not in text and "\n" not in text.replace("\r\n", "")
+    for name, table in tables.items():
+        assert (f"{MARKER.format(name)}\r\n\r\n" + table.replace("\n", "\r\n")
+                + f"\r\nright after {name}") in text
+    assert main(["config", "tables", str(doc), "--check"]) == 0
+
+
 def test_tables_name_a_missing_marker_and_a_missing_file(tmp_path, capsys):
+    from engram_ray.commands.config import MARKER, settings_tables
+
     doc = tmp_path / "settings.md"
     doc.write_text("<!-- settings: deployment -->\n| field |\n")
-    for args, error in (([str(doc)], "has no line '<!-- settings: serving -->' (the line "
-                                     "before the table of serving)"),
-                        ([str(tmp_path / "missing.md")], "missing.md' is not a file"),
-                        (["--check"], "--check needs the FILE to check")):
+    every = "\n\n".join(MARKER.format(name) + "\n| field |" for name in settings_tables())
+    for text, args, error in (
+            (None, [str(doc)], "has the line '<!-- settings: serving -->' 0 times (once: the "
+                               "line before the table of serving)"),
+            (every + "\n\n<!-- settings: serving.ingress -->\n| field |", [str(doc), "--check"],
+             "has the line '<!-- settings: serving.ingress -->' 2 times"),
+            (every + "\n\n<!-- settings: servng -->", [str(doc)],
+             "has '<!-- settings: servng -->', a marker of no section"),
+            (None, [str(tmp_path / "missing.md")], "missing.md' is not a file"),
+            (None, ["--check"], "--check needs the FILE to check")):
+        if text is not None:
+            doc.write_text(text)
+        before = doc.read_text()
         assert main(["config", "tables", *args]) == 2
         assert error in capsys.readouterr().err
-    assert doc.read_text() == "<!-- settings: deployment -->\n| field |\n"
+        assert doc.read_text() == before  # nothing written
