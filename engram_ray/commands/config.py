@@ -69,19 +69,21 @@ def run(args) -> int:
         return 1 if stale else 0
     if stale:
         path.write_bytes(updated.replace("\n", newline).encode())
-    print(f"{args.file}: {len(stale)} of {len(settings_tables())} tables written")
+    print(f"{args.file}: {len(stale)} tables written ({', '.join(stale) or 'all current'})")
     return 0
 
 
 def settings_tables() -> dict[str, str]:
     """{section path: markdown table of its settings}, every section of a Serve app's args."""
+    from pydantic import BaseModel
+
     from engram_ray.serve.config import ServeAppConfig
 
     tables, todo = {}, [("", ServeAppConfig)]
     while todo:
         prefix, model = todo.pop(0)
         for name, info in model.model_fields.items():
-            if isinstance(info.annotation, type) and hasattr(info.annotation, "model_fields"):
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
                 todo.append((f"{prefix}{name}.", info.annotation))
         if prefix:
             tables[prefix.rstrip(".")] = settings_table(model)
