@@ -24,9 +24,12 @@ Created by `engram_ray.serve.app.build_app` before the engines (detached: a `ser
 task ends, the application stays), found by name (`actors/coordinator_lookup.py`: reuse,
 reconfiguration for a rolling change, replacement).
 
-A rolling change (`reconfigure`; a gang started beside the serving one takes over once ready
-and the old one drained: `member_check`, `may_take_over`, `member_running`):
-`engram_ray.planning.generation_rollout`.
+A rolling change (`reconfigure`): with `serving.rollout.mode: in_place` the members restart
+their engines with the new settings one at a time, each told by `member_check` when it is its
+turn (`engram_ray.planning.in_place_roll`; `member_settings`, `roll_failed`); with `beside` a
+gang started beside the serving one takes over once ready and the old one drained
+(`member_check`, `may_take_over`, `member_running`: `engram_ray.planning.generation_rollout`).
+A change the build refuses is left here (`refuse`) for the groups' builds of the same deploy.
 
 Groups follow capacity (`_follow_capacity`): a group whose domain is lost is placed again in
 another with room (`engram_ray.serve.group_placement`).
@@ -65,7 +68,9 @@ class Coordinator:
     def __init__(self, app_config_dict: dict, domains: dict[str, str]):
         from engram_ray.model.layout import load_layout
         from engram_ray.planning.generations import GenerationBook
+        from engram_ray.planning.in_place_roll import InPlaceRoll
         from engram_ray.serve.config import ServeAppConfig
+        from engram_ray.serve.config_change import config_version
 
         restarted = is_restarted_actor()
         # Ray re-runs this constructor with its first arguments: a rolled-out config is kept.
@@ -87,6 +92,8 @@ class Coordinator:
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
                                    domains)
         self.metric_targets = TargetBook(config.serving.prometheus_targets_file)
+        self.roll = InPlaceRoll(config_version(app_config_dict))
+        self._refusal: tuple[dict, str] | None = None  # (group settings, why) of a refused deploy
         save_settings(coordinator_name(self.deployment_name), app_config_dict, domains,
                       self.lineage)
         self._lock = threading.Lock()
@@ -112,15 +119,80 @@ class Coordinator:
 
     # --- a restart: the members tell it what they hold (actors/lifetime.py) -----------------
     def member_check(self, replica_id: str | None = None, in_flight: int | None = None,
-                     knows_retired: bool = False) -> dict:
+                     knows_retired: bool = False, config_version: str | None = None) -> dict:
         """{"incarnation" (a member that joined another one rejoins: `rejoin`), "retired"
-        (the member's gang was replaced by a rolling change: it takes no new requests)};
-        `in_flight`: the requests the member runs, counted once it `knows_retired`."""
+        (the member's gang was replaced by a rolling change: it takes no new requests),
+        "restart_for" (the settings version its engine restarts with now, or None)};
+        `in_flight`: the requests the member runs, counted once it `knows_retired`;
+        `config_version`: the settings its engine runs."""
         with self._lock:
             is_retired = replica_id is not None and self.book.is_retired(replica_id)
             if is_retired and knows_retired and in_flight is not None:
                 self.book.report_in_flight(replica_id, in_flight)
-            return {"incarnation": self.incarnation, "retired": is_retired}
+            restart_for = None
+            if replica_id is not None and config_version is not None and \
+                    not self._rebuild_until:
+                restart_for = self._roll_turn_locked(replica_id, config_version)
+            return {"incarnation": self.incarnation, "retired": is_retired,
+                    "restart_for": restart_for}
+
+    def _roll_turn_locked(self, replica_id: str, running: str) -> str | None:
+        """The settings version member `replica_id` restarts its engine with now, if it is
+        its turn (`InPlaceRoll.next_turn`); its group then routes around it."""
+        rollout = self.config.serving.rollout
+        self.roll.member_versions.setdefault(replica_id, running)
+        live = self.book.member_ids()
+        for stale in [r for r in self.roll.turns if r not in live]:  # gang gone meanwhile
+            self.roll.forget(stale)
+        if rollout.mode != "in_place" or not self.roll.is_behind(replica_id):
+            return None
+        if replica_id in self.roll.turns:
+            return self.roll.version  # asked again before it reported: still its turn
+        group_id = self.book.whole_group_of(replica_id)
+        if group_id is None or not self.roll.next_turn(replica_id, group_id, True,
+                                                       rollout.max_groups_at_once):
+            return None
+        if self.book.member_restarting(replica_id, f"settings {self.roll.version} rolling "
+                                                   "out: engine restarts in place"):
+            self._routing_changed_locked()
+        logger.warning("engram-ray: %s member %s restarts its engine with settings %s "
+                       "(in-place roll)", group_id, replica_id, self.roll.version)
+        return self.roll.version
+
+    def member_settings(self) -> tuple[str, dict]:
+        """(settings version, app config) the members' engines should run."""
+        from engram_ray.serve.config_change import config_version
+
+        with self._lock:
+            return config_version(self.made_with[0]), self.made_with[0]
+
+    def roll_failed(self, replica_id: str, reason: str) -> None:
+        """Member `replica_id`'s engine would not start with the rolled-out settings (it
+        serves on the old ones again): the roll stops at it."""
+        with self._lock:
+            self.roll.stop(replica_id, reason)
+        logger.error("engram-ray: the in-place roll of %s's settings %s stopped at member %s "
+                     "(it serves on its old settings): %s; deploy settings that start, or the "
+                     "old ones", self.deployment_name, self.roll.version, replica_id, reason)
+
+    def roll_status(self) -> dict:
+        """The in-place roll's progress (`InPlaceRoll.progress`) and the mode."""
+        with self._lock:
+            return {"mode": self.config.serving.rollout.mode,
+                    **self.roll.progress(self.book.member_ids()),
+                    "member_versions": dict(self.roll.member_versions)}
+
+    def refuse(self, group_settings: dict, reason: str) -> None:
+        """The front door's build refused a deploy whose groups run `group_settings`."""
+        with self._lock:
+            self._refusal = (group_settings, reason)
+
+    def refusal(self, group_settings: dict) -> str | None:
+        """Why the deploy whose groups run `group_settings` was refused, if it was."""
+        with self._lock:
+            if self._refusal is not None and self._refusal[0] == group_settings:
+                return self._refusal[1]
+            return None
 
     def member_running(self, replica_id: str) -> None:
         """Serve runs the member (its first health check passed)."""
@@ -143,8 +215,16 @@ class Coordinator:
         serving ones go on until their gangs are replaced; groups added or removed."""
         from engram_ray.serve.config import ServeAppConfig
 
+        from engram_ray.serve.config_change import config_version
+
         config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
         with self._lock:
+            self._refusal = None
+            if self.roll.set_target(config_version(app_config_dict)) and \
+                    config.serving.rollout.mode == "in_place":
+                logger.warning("engram-ray: coordinator %s rolls settings %s out: each "
+                               "member's engine restarts in place, one per group at a time",
+                               self.deployment_name, self.roll.version)
             self.book.reconfigure(config.deployment, domains)
             self.config, self.made_with = config, (app_config_dict, domains)
             self.metric_targets.targets_file = config.serving.prometheus_targets_file
@@ -163,6 +243,7 @@ class Coordinator:
                     not self.book.rejoin(member):
                 return None
             replica_id = member["replica_id"]
+            self.roll.running(replica_id, member.get("config_version"))
             if actor is not None and member.get("ready_at") is not None:
                 self._actors[replica_id] = actor
             self.metric_targets.restore(replica_id, member.get("node_id"), member.get("slot"),
@@ -192,7 +273,10 @@ class Coordinator:
         self._routing_changed_locked()
 
     def describe(self) -> tuple[tuple, int]:
-        """(what it was made with, number of members of current generations)."""
+        """(what it was made with, number of members of current generations), once a
+        restarted coordinator has heard from its members (a build must not take it for
+        empty)."""
+        self._wait_rebuilt()
         with self._lock:
             return self.made_with, self.book.num_members()
 
@@ -203,6 +287,7 @@ class Coordinator:
             assignment = dict(self.book.join(group_id, gang_id, rank, world_size, replica_id,
                                              node_labels), incarnation=self.incarnation,
                               lineage=self.lineage)
+            self.roll.running(replica_id, self.roll.version)  # it starts on these settings
             self._forget_ended_locked()
             self._routing_changed_locked()
             return assignment
@@ -211,15 +296,19 @@ class Coordinator:
         self._wait_rebuilt()
         with self._lock:
             self.book.leave(replica_id)
+            self.roll.forget(replica_id)
             self._actors.pop(replica_id, None)
             self._routing_changed_locked()
             self.metric_targets.forget(replica_id)
 
     # --- routing ------------------------------------------------------------------------
-    def member_ready(self, replica_id: str, actor=None) -> None:
-        """The member's engine serves; `actor` (its replica actor) is watched from now on."""
+    def member_ready(self, replica_id: str, actor=None, config_version: str | None = None
+                     ) -> None:
+        """The member's engine serves (on settings `config_version`); `actor` (its replica
+        actor) is watched from now on."""
         self._wait_rebuilt()
         with self._lock:
+            self.roll.running(replica_id, config_version)
             if self.book.member_ready(replica_id) is not None:
                 if actor is not None:
                     self._actors[replica_id] = actor

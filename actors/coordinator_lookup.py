@@ -28,17 +28,8 @@ def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_n
     made_with, num_members = ray.get(coordinator.describe.remote())
     if tuple(made_with) == (app_config_dict, domains):
         return coordinator
-    if num_members and rolls_out(made_with[0], app_config_dict, deployment_name):
-        from engram_ray.serve.config_change import group_settings
-
-        groups_roll = group_settings(made_with[0]) != group_settings(app_config_dict)
-        if groups_roll and \
-                app_config_dict.get("serving", {}).get("rollout", {}).get("mode") != "restart":
-            from engram_ray.actors.placement import check_room_beside
-            from engram_ray.config import DeploymentConfig
-
-            check_room_beside(DeploymentConfig.from_dict(app_config_dict["deployment"]),
-                              domains)
+    if num_members and _rolls_out_or_refuse(coordinator, made_with, app_config_dict, domains,
+                                            deployment_name):
         ray.get(coordinator.reconfigure.remote(app_config_dict, domains))
         return coordinator
     logger.info("replacing %s: made with other settings, no members",
@@ -54,46 +45,96 @@ def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_n
     return _coordinator_actor(app_config_dict, domains, deployment_name)
 
 
+def _rolls_out_or_refuse(coordinator, made_with, app_config_dict: dict, domains: dict,
+                         deployment_name: str) -> bool:
+    """`rolls_out` (and room beside the groups for `beside`); a refusal is also left with the
+    coordinator, so that the group applications' builds of this deploy fail with it at once."""
+    from engram_ray.serve.config_change import group_settings, rollout_mode
+
+    try:
+        if not rolls_out(made_with[0], app_config_dict, deployment_name):
+            return False
+        groups_roll = group_settings(made_with[0]) != group_settings(app_config_dict)
+        if groups_roll and rollout_mode(app_config_dict) == "beside":
+            from engram_ray.actors.placement import check_room_beside
+            from engram_ray.config import DeploymentConfig
+
+            check_room_beside(DeploymentConfig.from_dict(app_config_dict["deployment"]),
+                              domains)
+        return True
+    except EngramRayError as exc:
+        ray.get(coordinator.refuse.remote(group_settings(app_config_dict), str(exc)))
+        raise
+
+
 def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
-    """True when a running deployment's change rolls out (the coordinator is reconfigured);
-    False when it is applied whole (`serving.rollout.mode: restart`: the coordinator is
-    replaced, Serve restarts every group); EngramRayError naming the settings that cannot roll
-    beside the serving groups otherwise."""
-    from engram_ray.serve.config_change import changed_settings, fixed_changes
+    """True when a running deployment's change rolls out (the coordinator is reconfigured:
+    engines restarted in place, gangs started beside or replaced, as `serving.rollout.mode`
+    says); False when it is applied whole (`restart` with a `FIXED_WHILE_SERVING` change: the
+    coordinator is replaced, Serve restarts every group); EngramRayError naming the settings
+    the mode cannot apply otherwise (nothing changes: the groups serve on)."""
+    from engram_ray.serve.config_change import (changed_settings, fixed_changes,
+                                                group_settings, rollout_mode)
 
     fixed = fixed_changes(changed_settings(old, new))
-    mode = new.get("serving", {}).get("rollout", {}).get("mode", "beside")
-    if not fixed:
-        return True
-    if mode == "restart":
-        return False
-    raise EngramRayError(
-        f"deployment {deployment_name!r} serves, and this change of {', '.join(fixed)} cannot "
-        "roll out beside its groups (old and new engines would not read the same rows or serve "
-        "the same model); set serving.rollout.mode: restart to restart every group at once (an "
-        "outage of one cold start), or serve shutdown first")
+    mode = rollout_mode(new)
+    if fixed:
+        if mode == "restart":
+            return False
+        raise EngramRayError(
+            f"deployment {deployment_name!r} serves, and this change of {', '.join(fixed)} "
+            "cannot roll out beside its groups or in place (old and new engines would not read "
+            "the same rows or serve the same model); set serving.rollout.mode: restart to "
+            "restart every group at once (an outage of one cold start), or serve shutdown first")
+    if mode == "in_place":
+        from engram_ray.serve.config_change import in_place_changes
+
+        dp_size = (new.get("serving") or {}).get("data_parallel_size", 1)
+        in_place = in_place_changes(changed_settings(old, new))
+        if in_place and dp_size > 1:
+            raise EngramRayError(
+                f"deployment {deployment_name!r} serves data-parallel gangs "
+                f"(serving.data_parallel_size {dp_size}), whose engines do not restart in place "
+                f"yet, so this change of {', '.join(in_place)} cannot roll in place; set "
+                "serving.rollout.mode: beside (needs deployment.peer_group_size free engine "
+                "slots in each group's domain) or restart (an outage of one cold start), and "
+                "write these settings in the groups' args too. Nothing was changed")
+        gangs = changed_settings(group_settings(old, "in_place"), group_settings(new))
+        if gangs:
+            raise EngramRayError(
+                f"deployment {deployment_name!r} serves with serving.rollout.mode in_place, "
+                f"and this change of {', '.join(gangs)} needs new gangs (an engine restarted "
+                "in place applies only serving.engine_kwargs, max_model_len, host_kv_cache_gib "
+                "and host_kv_reserve_gib); set serving.rollout.mode: beside (needs "
+                "deployment.peer_group_size free engine slots in each group's domain) or "
+                "restart (an outage of one cold start) for it. Nothing was changed")
+    return True
 
 
 def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,
-                 timeout_s: float) -> str:
-    """The domain id of `group_id`, once the front door's build set the coordinator up with
-    the settings of `app_config_dict` (but for the front door's own) and placed the group;
-    EngramRayError naming what is missing after `timeout_s`, or at once for a change the
-    front door refuses (`rolls_out`)."""
-    from engram_ray.serve.config_change import changed_settings, group_settings
+                 timeout_s: float) -> tuple[str, dict]:
+    """(domain id of `group_id`, the coordinator's app config), once the front door's build
+    set the coordinator up with the group settings of `app_config_dict` (a group
+    application's config) and placed the group; EngramRayError naming what is missing after
+    `timeout_s`, or at once for a change the front door refuses (`rolls_out`)."""
+    from engram_ray.serve.config_change import changed_settings, group_settings, rollout_mode
 
-    wanted, deadline, seen = group_settings(app_config_dict), time.monotonic() + timeout_s, None
+    deadline, seen = time.monotonic() + timeout_s, None
     while True:
         try:
-            made_with, num_members = ray.get(find_coordinator(deployment_name).describe.remote())
+            coordinator = find_coordinator(deployment_name)
+            made_with, _ = ray.get(coordinator.describe.remote())
         except (ValueError, ray.exceptions.RayActorError):  # not made yet, or being replaced
             made_with = None
         if made_with is not None:
             settings, domains = made_with
+            wanted = group_settings(app_config_dict, rollout_mode(settings))
             if group_settings(settings) == wanted and group_id in domains:
-                return domains[group_id]
-            if num_members:
-                rolls_out(settings, app_config_dict, deployment_name)  # raises if refused
+                return domains[group_id], settings
+            # The front door's build of this deploy refused it: so is this group's.
+            refused = ray.get(coordinator.refusal.remote(group_settings(app_config_dict)))
+            if refused:
+                raise EngramRayError(refused)
             seen = (changed_settings(group_settings(settings), wanted), sorted(domains))
         if time.monotonic() >= deadline:
             break

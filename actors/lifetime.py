@@ -36,10 +36,11 @@ def is_restarted_actor() -> bool:
         return False
 
 
-def application_present(deployment_name: str) -> bool | None:
-    """Whether a Serve application (not being deleted) has the engine deployments of
-    `deployment_name` (named `<class>:<deployment name>:group-<i>`); False when Serve was shut
-    down; None when it cannot be asked now (its controller restarting)."""
+def application_names(deployment_name: str) -> tuple[set[str], set[str]] | None:
+    """(names of the Serve applications, not being deleted, that hold the engine deployments
+    of `deployment_name` (named `<class>:<deployment name>:group-<i>`), names of every
+    application not being deleted); None when Serve cannot be asked now (its controller
+    restarting); two empty sets when Serve was shut down."""
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
@@ -51,25 +52,34 @@ def application_present(deployment_name: str) -> bool | None:
         try:
             ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
         except ValueError:  # `serve shutdown`: no controller, no application
-            return False
+            return set(), set()
         return None
     marker = engine_deployment_marker(deployment_name)
-    return any(getattr(app.status, "value", app.status) != "DELETING"
-               and any(marker in name for name in app.deployments)
-               for app in applications.values())
+    live = {name for name, app in applications.items()
+            if getattr(app.status, "value", app.status) != "DELETING"}
+    return {name for name in live
+            if any(marker in d for d in applications[name].deployments)}, live
 
 
 class ApplicationWatch:
-    """`gone()` is True once the application was seen and is no longer there."""
+    """`gone()` is True once the application was seen and is no longer there.
+
+    NOTES: "there" is by application name, not only by its engine deployments: while `serve
+    deploy` (the declarative path, also KubeRay's) builds an application again, Serve lists it
+    with no deployments at all; read as gone, that ended a serving coordinator."""
 
     def __init__(self, deployment_name: str):
-        self.deployment_name, self.seen = deployment_name, False
+        self.deployment_name, self.names = deployment_name, set()
 
     def gone(self) -> bool:
-        present = application_present(self.deployment_name)
-        if present:
-            self.seen = True
-        return self.seen and present is False
+        found = application_names(self.deployment_name)
+        if found is None:
+            return False
+        holding, live = found
+        if holding:
+            self.names |= holding
+            return False
+        return bool(self.names) and not (self.names & live)
 
 
 def _settings_key(name: str) -> bytes:

@@ -42,9 +42,16 @@ def collect(name: str) -> dict:
         raise EngramRayError(f"no coordinator {coordinator_name(name)} (namespace engram) on "
                              "this cluster: is the deployment running, and is --name its "
                              "deployment.name?") from None
-    status, (_, routing) = ray.get([coordinator.status.remote(), coordinator.routing.remote()],
-                                   timeout=TIMEOUT_S)
-    return {gid: {**group, **routing.get(gid, {})} for gid, group in status.items()}
+    status, (_, routing), roll = ray.get([coordinator.status.remote(),
+                                          coordinator.routing.remote(),
+                                          coordinator.roll_status.remote()], timeout=TIMEOUT_S)
+    versions = roll.pop("member_versions", {})
+    groups = {gid: {**group, **routing.get(gid, {}), "settings_roll": roll}
+              for gid, group in status.items()}
+    for group in groups.values():
+        for member in group.get("members", {}).values():
+            member["config_version"] = versions.get(member.get("replica_id"))
+    return groups
 
 
 def format_status(name: str, groups: dict) -> str:
@@ -68,12 +75,29 @@ def format_status(name: str, groups: dict) -> str:
             member = g["members"][rank]
             state = ("engine restarting" if str(rank) in restarting
                      else "ready" if str(rank) in ready else "not ready")
-            lines.append(f"  {gid} rank {rank}: {member.get('replica_id')} ({state})")
+            version = member.get("config_version")
+            lines.append(f"  {gid} rank {rank}: {member.get('replica_id')} ({state}"
+                         + (f", settings {version})" if version else ")"))
         if g.get("starting"):  # a rolling change (serving.rollout.mode beside)
             lines.append(f"  {gid} rolling: generation {g['starting']} starting beside")
         if g.get("retired"):
             lines.append(f"  {gid} rolling: generation {g['retired']} replaced, draining")
+    roll = next((g["settings_roll"] for g in groups.values() if g.get("settings_roll")), None)
+    if roll:
+        lines.append(roll_line(roll))
     return "\n".join(lines)
+
+
+def roll_line(roll: dict) -> str:
+    """The engine settings' roll in one line (`Coordinator.roll_status`)."""
+    text = (f"settings {roll['version']} (rollout {roll['mode']}): {roll['done']} of "
+            f"{roll['members']} members run them")
+    if roll.get("restarting"):
+        text += f"; restarting now: {', '.join(roll['restarting'])}"
+    if roll.get("stopped"):
+        text += (f"; ROLL STOPPED at {roll['stopped']['replica_id']}: "
+                 f"{roll['stopped']['reason']}")
+    return text
 
 
 def run(args) -> int:

@@ -44,6 +44,8 @@ class LocalOptions:
     name: str | None = None  # deployment.name (its shared memory and store are named by it)
     # serving.metrics_port: fixed /metrics ports from this base (the YAML's 0: free ports).
     metrics_port: int | None = None
+    # serving.rollout.mode (the YAML's: in_place, the default); `beside` needs spare slots.
+    rollout_mode: str | None = None
 
 
 def log(text: str) -> None:
@@ -79,6 +81,8 @@ class LocalDeployment:
             args["deployment"]["name"] = opts.name
         if opts.metrics_port is not None:
             args["serving"]["metrics_port"] = opts.metrics_port
+        if opts.rollout_mode is not None:
+            args["serving"]["rollout"] = {"mode": opts.rollout_mode}
         doc["http_options"]["port"] = opts.port
         self.doc, self.app_name, self.args = doc, app["name"], args
         self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}
@@ -158,37 +162,27 @@ class LocalDeployment:
         self._deploy()
 
     def redeploy(self, changes: dict) -> None:
-        """Deploy again with `changes` merged into the args (e.g. {"serving": {"engine_kwargs":
-        {"max_num_seqs": 64}}}): as `serve deploy` of the changed file would, only the
-        applications whose args changed are deployed again (a changed engine setting rolls
+        """`serve deploy` again with `changes` merged into the front door's args (e.g.
+        {"serving": {"engine_kwargs": {"max_num_seqs": 64}}}) and the groups' args made from
+        them: Serve builds again the applications whose args changed (a changed setting rolls
         out as `serving.rollout` says; `num_peer_groups` adds or deletes group applications).
-        Returns once the builds are done (the rollout goes on)."""
+        Returns at once: the builds and the roll go on."""
         _merge(self.args, changes)
         self.config = load_serve_config_from(self.serve_doc())
         log(f"redeploying with {changes}")
         self._deploy()
 
     def _deploy(self) -> None:
-        """Run the front door and every group application whose args changed (the front
-        door's build first: it sets the coordinator up), then delete the groups no longer
-        counted (the coordinator has stopped routing to them)."""
-        from ray import serve
-        from ray.serve.api import _run
+        """`serve deploy` of `serve_doc()`: the declarative config, the call the CLI and
+        KubeRay make through Ray's dashboard (`ServeControllerClient.deploy_apps`). Serve's
+        controller builds every application whose config changed in a task of its own, in no
+        order this code controls, and deletes the applications no longer listed."""
+        from ray.serve.context import _get_global_client
+        from ray.serve.schema import ServeDeploySchema
 
-        from engram_ray.serve.app import build_front_door, build_group_app, group_applications
-
-        wanted = {self.app_name: self.args, **group_applications(self.args)}
-        for name, args in wanted.items():
-            if self._deployed.get(name) == args:
-                continue
-            is_front_door = name == self.app_name
-            app = build_front_door(args) if is_front_door else build_group_app(args)
-            # serve.run waits for the replicas; _run(_blocking=False) returns so progress
-            # can show.
-            _run(app, _blocking=False, name=name, route_prefix="/" if is_front_door else None)
-        for name in [n for n in self._deployed if n not in wanted]:
-            serve.delete(name, _blocking=False)
-        self._deployed = copy.deepcopy(wanted)
+        doc = self.serve_doc()
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(doc))
+        self._deployed = {app["name"]: copy.deepcopy(app["args"]) for app in doc["applications"]}
 
     @property
     def applications(self) -> list[str]:

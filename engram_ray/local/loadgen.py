@@ -37,6 +37,7 @@ class RequestResult:
     num_chunks: int = 0
     status: int = 0
     generation: str | None = None  # the generation the ingress sent it to (its header)
+    config: str | None = None      # the version of the engine settings that answered (header)
     text: str = ""
     error: str = ""
     retry_after: str | None = None  # the Retry-After header of an error response
@@ -100,6 +101,7 @@ async def one_request(http, base_url: str, model: str, prompt: str, max_tokens: 
                 model, prompt, max_tokens, chat, stream)) as resp:
             result.status = resp.status_code
             result.generation = resp.headers.get("x-engram-generation") or None
+            result.config = resp.headers.get("x-engram-config") or None
             if resp.status_code != 200:
                 result.retry_after = resp.headers.get("retry-after")
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -143,7 +145,8 @@ async def _read_stream(resp, result: RequestResult) -> None:
 
 def _read_answer(answer: dict, result: RequestResult) -> None:
     choices = answer.get("choices") or []
-    result.generation = answer.get("system_fingerprint") or result.generation
+    result.generation = (answer.get("system_fingerprint") or "").partition("+")[0] \
+        or result.generation
     result.ttft_s = time.monotonic() - result.started_at
     result.num_chunks = 1
     result.text = "".join(c.get("text") or (c.get("message") or {}).get("content") or ""
@@ -239,6 +242,7 @@ def probe_generations(base_url: str, model: str, stop, period_s: float = 0.2,
                 resp = http.post(f"{base_url}/completions", json={
                     "model": model, "prompt": "hi", "max_tokens": 2})
                 fingerprint = resp.json().get("system_fingerprint") if resp.is_success else None
+                fingerprint = fingerprint.partition("+")[0] if fingerprint else None
             except (httpx.HTTPError, ValueError):
                 fingerprint = None
             answers.append((time.monotonic(), fingerprint))

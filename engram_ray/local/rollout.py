@@ -1,5 +1,6 @@
-"""A changed config rolled out under load, measured from the clients' side (issue 28): every
-request sent while it rolls must be answered (`serving.rollout.mode: beside`); a change of
+"""A changed config rolled out under load through `serve deploy`, measured from the clients'
+side: every request sent while it rolls must be answered (`serving.rollout.mode` in_place:
+engines restarted one at a time; beside: new gangs beside the serving ones); a change of
 `serving.num_peer_groups` adds or removes groups and leaves the others' engines running
 (`scale_under_load`).
 
@@ -15,35 +16,54 @@ from engram_ray.local.faults import compare_answers, group_status, routing
 from engram_ray.local.loadgen import FAILED, LOST, Traffic
 
 
+def roll_status(deployment_name: str) -> dict:
+    import ray
+
+    from engram_ray.actors.coordinator_lookup import find_coordinator
+
+    return ray.get(find_coordinator(deployment_name).roll_status.remote())
+
+
 def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float = 3.0,
                     timeout_s: float = 900.0, reference: dict[bool, str] | None = None) -> dict:
-    """Deploy `changes` while `traffic` runs and wait until every group serves a new
-    generation and no old gang is left: every request sent meanwhile, how many failed (must be
-    0 with `serving.rollout.mode` beside), seconds until each group had rolled and until all
-    had (`rolled_s`), and the answers compared with `reference`."""
+    """`serve deploy` of `changes` while `traffic` runs, then wait until every member of
+    every group runs the new engine settings and serves, and no gang is left starting or
+    draining (`serving.rollout.mode` in_place or beside), or until the roll stopped at a
+    member (a new engine that would not start). Every request sent meanwhile, how many failed
+    (0 is the target), seconds until each group had rolled and until all had (`rolled_s`),
+    whether each group kept its generation, the members' restarts, and the answers compared
+    with `reference`."""
     name = deployment.config.deployment.name
     before = {g: r["generation"] for g, r in routing(name).items()}
+    old_version = roll_status(name)["version"]
     first, started_at = len(traffic.results), time.monotonic()
     deployment.redeploy(changes)
     rolled: dict[str, float] = {}
     deadline = started_at + timeout_s
     while time.monotonic() < deadline:
-        table = routing(name)
-        for group_id, state in table.items():
-            if group_id not in rolled and state["serving"] \
-                    and state["generation"] != before.get(group_id):
-                rolled[group_id] = round(time.monotonic() - started_at, 1)
+        roll, table = roll_status(name), routing(name)
         statuses = {g: group_status(name, g) for g in table}
-        if len(rolled) == len(table) and not any(s["retired"] or s["starting"]
-                                                 for s in statuses.values()):
+        if roll["stopped"] is not None and not any(s["restarting"] for s in statuses.values()):
+            break  # stopped at a member, which serves again on its old settings
+        for group_id, state in table.items():
+            members = [m["replica_id"] for m in statuses[group_id]["members"].values()]
+            if group_id not in rolled and roll["version"] != old_version and state["serving"] \
+                    and members and not statuses[group_id]["restarting"] \
+                    and all(roll["member_versions"].get(r) == roll["version"] for r in members):
+                rolled[group_id] = round(time.monotonic() - started_at, 1)
+        if len(rolled) == len(table) and not roll["restarting"] and not any(
+                s["retired"] or s["starting"] for s in statuses.values()):
             break
         time.sleep(0.5)
     else:
         raise TimeoutError(f"the change did not roll out within {timeout_s:.0f} s: "
-                           f"{routing(name)}")
+                           f"{routing(name)}; {roll_status(name)}")
     done_at = time.monotonic()
+    table = routing(name)
     return {"kind": "rollout", "changes": changes, "rolled_s": round(done_at - started_at, 1),
-            "groups_rolled_s": rolled,
+            "groups_rolled_s": rolled, "old_version": old_version, "version": roll["version"],
+            "stopped": roll["stopped"], "member_restarts": roll["restarted"],
+            "same_generation": {g: table[g]["generation"] == before.get(g) for g in table},
             **_clients_saw(traffic, first, done_at, settle_s, reference)}
 
 

@@ -200,6 +200,18 @@ class GenerationBook(RolloutMixin, RebuildMixin):
                           "restarting_ranks": sorted(gen.restarting)}
         return table
 
+    def whole_group_of(self, replica_id: str) -> str | None:
+        """The group id of member `replica_id` when its group's current generation holds it
+        and serves whole (every member ready, none restarting, no gang beside it)."""
+        for group in self.groups.values():
+            gen = group.current
+            if gen is None or gen.rank_of(replica_id) is None:
+                continue
+            whole = (gen.is_serving(self.config.peer_group_size) and not gen.restarting
+                     and group.next is None and group.retired is None)
+            return group.group_id if whole else None
+        return None
+
     def find_member(self, replica_id: str) -> tuple[str, str, int] | None:
         """(group id, generation, rank) of a member of a current generation (or of the gang
         starting beside it)."""

@@ -192,24 +192,42 @@ def build_group_app(args: dict, server_cls=None):
     if not isinstance(group_id, str) or not group_id.startswith("group-"):
         raise ConfigError("build_group args: group", f"is {group_id!r}",
                           "the group's id, group-<i> (engram_ray.serve.app.group_args)")
-    app = _checked(args, "build_group args")
-    dep = app.deployment
+    own = _checked(args, "build_group args")
+    dep = own.deployment
+    # The front door's build placed the group and set the coordinator up with these settings:
+    # the engines run the coordinator's (the front door's), rollout and in-place ones included.
+    domain_id, settings = group_domain(own.to_dict(), group_id, dep.name,
+                                       dep.placement_timeout_s + 60)
+    app = ServeAppConfig.from_dict(settings, "coordinator")
+    _refuse_in_place_settings(args, app.serving.rollout.mode)
     server_cls = server_cls or server_class(app)
-    # The front door's build placed the group and set the coordinator up with these settings.
-    domain_id = group_domain(app.to_dict(), group_id, dep.name, dep.placement_timeout_s + 60)
     domain = next((d for d in discover_domains(dep) if d.domain_id == domain_id), None)
     if domain is None:
         raise PlacementError(f"{group_id} of {dep.name!r} was placed in domain {domain_id}, "
                              "which has no alive node now; deploy again to place it anew")
     group = PeerGroupPlan(group_id, domain, int(group_id.split("-")[1]), dep.peer_group_size)
-    # A changed config rolls out (serving.rollout): 'beside' starts the group's new gang next
-    # to the serving one (max_surge_percent: a whole extra gang), 'restart' replaces it.
+    # A changed group setting rolls out (serving.rollout): 'beside' starts the group's new gang
+    # next to the serving one (max_surge_percent: a whole extra gang), 'restart' replaces it;
+    # 'in_place' changes reach the engines through the coordinator, not a new build.
     surge = 100 if app.serving.rollout.mode == "beside" else 0
     return build_llm_deployment(llm_config(app, group), deployment_cls=server_cls,
                                 override_serve_options={
         "name": engine_deployment_name(server_cls, dep.name, group_id),
         **gang_options(dep, group), "max_surge_percent": surge,
         "request_router_config": {"request_router_class": ROUTER_PATH}})
+
+
+def _refuse_in_place_settings(args: dict, mode: str) -> None:
+    """With `rollout.mode: in_place` the settings engines restart in place with are the front
+    door's only: in a group's args, a change of them would make Serve replace its gang."""
+    from engram_ray.serve.config_change import in_place_changes, setting_paths
+
+    extra = in_place_changes(setting_paths(args)) if mode == "in_place" else []
+    if extra:
+        raise ConfigError(f"build_group args: {', '.join(extra)}", "are set in a group "
+                          "application while serving.rollout.mode is in_place",
+                          "these settings in the front door's serving only (the coordinator "
+                          "restarts the engines with them; engram-ray check shows the layout)")
 
 
 def engram_applications(args: dict, app_name: str, route_prefix: str = "/",

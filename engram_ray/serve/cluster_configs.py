@@ -73,7 +73,9 @@ def check_group_applications(applications, source: str) -> None:
               if app.import_path == GROUP_IMPORT_PATH}
     shape = (f"import_path {GROUP_IMPORT_PATH}, route_prefix null, the front door's "
              "runtime_env, args {group: group-<i>, deployment: <the front door's>, serving: "
-             "<the front door's but num_peer_groups, ingress, request_limits>} (YAML anchors: "
+             "<the front door's but num_peer_groups, ingress, request_limits, rollout and, with "
+             "rollout.mode in_place, engine_kwargs (but load_format), max_model_len, "
+             "host_kv_cache_gib, host_kv_reserve_gib>} (YAML anchors: "
              "cluster_configs/serve_local_tiny.yaml)")
     for door in (app for app in applications if app.import_path == APP_IMPORT_PATH):
         for name, args in group_applications(door.args).items():

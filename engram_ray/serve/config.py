@@ -82,30 +82,53 @@ class IngressConfig(Section):
                               "min_replicas and max_replicas decide the ingress replicas")
 
 
-ROLLOUT_MODES = ("beside", "restart")
+ROLLOUT_MODES = ("in_place", "beside", "restart")
+DEFAULT_ROLLOUT_MODE = "in_place"  # the shipped clusters have no spare engine slots
 # Settings old and new engines cannot serve side by side with (rows, ranks, the model clients
 # ask for): a change of one restarts every group at once, only with rollout.mode restart.
 FIXED_WHILE_SERVING = ("deployment.model", "deployment.peer_group_size",
                        "deployment.table_backend", "deployment.handle_type",
                        "deployment.peer_group_store", "serving.model_id",
-                       "serving.model_source", "serving.data_parallel_size")
+                       "serving.model_source", "serving.data_parallel_size",
+                       "serving.engine_kwargs.load_format")
 # Settings only the front door reads (`engram_ray.serve.app`): not in the groups' args, so a
 # change of them starts no engine (`num_peer_groups` adds or deletes groups only).
-FRONT_DOOR_SETTINGS = ("serving.num_peer_groups", "serving.ingress", "serving.request_limits")
+FRONT_DOOR_SETTINGS = ("serving.num_peer_groups", "serving.ingress", "serving.request_limits",
+                       "serving.rollout")
+# Settings an engine restarted in place applies (the rows stay): with rollout.mode in_place
+# they are the front door's too, and the coordinator restarts the members' engines with them
+# one at a time (`engram_ray.planning.in_place_roll`). `KEPT_IN_GROUPS` stay in the groups'
+# args whatever the mode (they decide the rows).
+IN_PLACE_SETTINGS = ("serving.engine_kwargs", "serving.max_model_len",
+                     "serving.host_kv_cache_gib", "serving.host_kv_reserve_gib")
+KEPT_IN_GROUPS = ("serving.engine_kwargs.load_format",)
 
 
 class RolloutConfig(Section):
-    """How `serve deploy` of a changed config replaces the groups that serve."""
+    """How `serve deploy` of a changed config reaches the groups that serve."""
 
-    mode: Literal[ROLLOUT_MODES] = Field("beside", description=(
-        "`beside`: each group's new gang starts beside the serving one (it needs "
-        "`deployment.peer_group_size` free engine slots in the group's NVLink domain; groups "
-        "sharing a domain roll one after another as slots free up) and takes over once ready, "
-        "the old one drained: no request fails. `restart`: Serve replaces every group's gang "
-        "at once (no spare slots needed; an outage of one cold start), and a change the groups "
-        f"cannot roll ({', '.join(f'`{key}`' for key in FIXED_WHILE_SERVING)}) is applied"))
+    mode: Literal[ROLLOUT_MODES] = Field(DEFAULT_ROLLOUT_MODE, description=(
+        "`in_place` (the default: no spare engine slot needed): a change of "
+        f"{', '.join(f'`{key}`' for key in IN_PLACE_SETTINGS)} restarts the members' engines in "
+        "place with the new values, one member of a group at a time (its slices re-attached, "
+        "its peers serving, its requests drained first), `max_groups_at_once` groups at once; "
+        "these settings are then written in the front door's `serving` only (not in the groups' "
+        "args); any other change of the groups' settings is refused naming it. `beside`: each "
+        "group's new gang starts beside the serving one (it needs `deployment.peer_group_size` "
+        "free engine slots in the group's NVLink domain; groups sharing a domain roll one after "
+        "another as slots free up) and takes over once ready, the old one drained. `restart`: "
+        "Serve replaces every group's gang at once (an outage of one cold start), and a change "
+        f"the groups cannot roll ({', '.join(f'`{key}`' for key in FIXED_WHILE_SERVING)}) is "
+        "applied"))
     drain_timeout_s: Seconds = Field(60.0, description=(
-        "`beside`: how long a replaced gang may finish the requests it runs before it stops"))
+        "how long a member about to restart in place (`in_place`) or a replaced gang "
+        "(`beside`) may finish the requests it runs"))
+    max_groups_at_once: Count = Field(1, description=(
+        "`in_place`: how many groups restart a member at the same time (never two members of "
+        "one group)"))
+    in_place_timeout_s: Seconds = Field(600.0, description=(
+        "`in_place`: how long one member's restart with the new settings may take before the "
+        "roll stops at it"))
 
 
 class ServingConfig(Section):

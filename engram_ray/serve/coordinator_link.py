@@ -86,7 +86,8 @@ class CoordinatorLinkMixin:
         except BaseException:
             self._in_flight -= 1
             raise
-        return self._until_done(tag_generation(stream, self._assignment["generation"]))
+        return self._until_done(tag_generation(stream, self._assignment["generation"],
+                                               self._config_version))
 
     async def _until_done(self, stream):
         try:
@@ -103,6 +104,7 @@ class CoordinatorLinkMixin:
         return {"replica_id": self._replica_id, "assignment": self._assignment,
                 "node_labels": self._replica_labels, "ready_at": self._ready_at,
                 "restarting": restarting, "broken": self._lost_reason,
+                "config_version": self._config_version,
                 "targets": dict(self._targets), "slot": getattr(self, "_metrics_slot", None),
                 "node_id": self._node_id}
 
@@ -114,9 +116,11 @@ class CoordinatorLinkMixin:
             await asyncio.sleep(MEMBER_CHECK_S)
             try:
                 knew, in_flight = self._retired, self._in_flight
-                answer = await self._coordinator.member_check.remote(self._replica_id,
-                                                                     in_flight, knew)
+                answer = await self._coordinator.member_check.remote(
+                    self._replica_id, in_flight, knew, self._config_version)
                 incarnation = answer["incarnation"]
+                if answer.get("restart_for"):
+                    self._on_roll_turn(answer["restart_for"])
                 if answer["retired"] and not self._retired:
                     logger.warning("engram-ray: this member's gang was replaced by a rolling "
                                    "change: it takes no new requests and finishes %d",

@@ -54,6 +54,8 @@ _picked = contextvars.ContextVar("engram_picked_handle", default=None)
 # response headers GROUP_HEADER / GENERATION_HEADER.
 _route_note = contextvars.ContextVar("engram_route_note", default=None)
 GROUP_HEADER, GENERATION_HEADER = "x-engram-peer-group", "x-engram-generation"
+# The version of the engine settings that answered (`engram_ray.serve.config_change`).
+CONFIG_HEADER = "x-engram-config"
 
 
 class GroupsUnavailable(Exception):
@@ -251,7 +253,7 @@ class PeerGroupIngress(OpenAiIngress):
             break
         note = _route_note.get()
         if note is not None:
-            note.update(group=group_id, generation=generation)
+            note.update(group=group_id, generation=generation, config=_config_of(first))
         yield first
         try:
             async for item in stream:
@@ -278,12 +280,28 @@ class PeerGroupIngress(OpenAiIngress):
             if note.get("group"):
                 response.headers[GROUP_HEADER] = note["group"]
                 response.headers[GENERATION_HEADER] = note["generation"] or ""
+                response.headers[CONFIG_HEADER] = note.get("config") or ""
             return response
         except GroupsUnavailable as exc:
             return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)},
                                 content={"error": {"message": str(exc),
                                                    "type": "ServiceUnavailable",
                                                    "param": None, "code": 503}})
+
+
+def _config_of(chunk) -> str | None:
+    """The settings version in a first chunk's `system_fingerprint`
+    (`engram_ray.serve.replica.tag_generation`): a response, an SSE packet, or a list."""
+    from engram_ray.serve.replica import fingerprint_parts
+
+    first = chunk[0] if isinstance(chunk, list) and chunk else chunk
+    fingerprint = getattr(first, "system_fingerprint", None)
+    if isinstance(first, str) and '"system_fingerprint"' in first:
+        try:
+            fingerprint = json.loads(first.partition("data: ")[2]).get("system_fingerprint")
+        except (ValueError, AttributeError):
+            fingerprint = None
+    return fingerprint_parts(fingerprint)[1]
 
 
 def _is_server_error(chunk) -> bool:

@@ -132,7 +132,8 @@ class MemberRestartMixin:
         self._death = None
         self.engram_metrics.count_engine_restart()
         self.engram_metrics.set_group(a["generation_index"], True)
-        await self._coordinator.member_ready.remote(self._replica_id, own_actor())
+        await self._coordinator.member_ready.remote(self._replica_id, own_actor(),
+                                                    self._config_version)
         logger.warning("engram-ray: engine %s-r%d restarted in place in %.1f s (generation %s, "
                        "its slices re-attached, not reloaded; %s)", a["group_id"],
                        a["member_rank"], time.monotonic() - started, a["generation"],

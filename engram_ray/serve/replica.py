@@ -47,9 +47,10 @@ from engram_ray.serve.coordinator_link import CoordinatorLinkMixin
 from engram_ray.serve.engine_death import EngineDiedError, EngineWatch
 from engram_ray.serve.engine_shm import (record_segments, recording_segments,
                                          release_leftovers)
-from engram_ray.serve.kv_cache import engine_capacity, probe_engine_kwargs
+from engram_ray.serve.kv_cache import engine_capacity
 from engram_ray.serve.stat_logger import EngramStatLogger
 from engram_ray.serve.member_restart import MemberRestartMixin, end_engine, own_actor
+from engram_ray.serve.member_roll import MemberRollMixin
 from engram_ray.tables.settings import PeerGroupSettings
 
 APP_CONFIG_KEY = "engram_app"
@@ -79,22 +80,29 @@ def peer_group_settings(assignment: dict, dp_rank: int = 0,
                              **{key: assignment[key] for key in keys})
 
 
-class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
+class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixin):
     """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
 
     async def start(self):
         from engram_ray.actors.coordinator_lookup import find_coordinator
         from engram_ray.serve.config import ServeAppConfig
 
+        from engram_ray.serve.app import engine_kwargs
+
         raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]
-        self._app = app = ServeAppConfig.from_dict(raw, "replica")
-        self._coordinator = find_coordinator(app.deployment.name)
+        self._app = ServeAppConfig.from_dict(raw, "replica")
+        build_kwargs = engine_kwargs(self._app)  # what the build set; the rest is the class's
+        self._own_kwargs = {k: v for k, v in self._llm_config.engine_kwargs.items()
+                            if k not in build_kwargs}
+        self._coordinator = find_coordinator(self._app.deployment.name)
         self._replica_id, gang, labels = self._replica()
         self._replica_labels = labels
         joined_at = time.perf_counter()
         group_id = self._llm_config.experimental_configs[GROUP_KEY]["group_id"]
         self._assignment = a = await self._coordinator.join.remote(
             group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
+        await self._take_settings()  # the engine settings the coordinator holds now
+        app = self._app
         self._start_link()  # kept across the coordinator's restarts
         await asyncio.to_thread(release_leftovers)  # what killed replicas left on this node
         try:  # from here on this replica holds a rank: a failure gives it back at once
@@ -106,7 +114,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
                                           rendezvous_seconds=time.perf_counter() - joined_at)
             await self._engine_started()
             self._ready_at = time.time()
-            await self._coordinator.member_ready.remote(self._replica_id, own_actor())
+            await self._coordinator.member_ready.remote(self._replica_id, own_actor(),
+                                                        self._config_version)
             await self._take_over_when_drained(app.serving.rollout.drain_timeout_s
                                                + 2 * app.deployment.rendezvous_timeout_s)
             self._engine_watch_task = asyncio.get_running_loop().create_task(
@@ -144,20 +153,17 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
         self._node_id = ray.get_runtime_context().get_node_id()
         self._metrics_slot = slot = await self._coordinator.metrics_slot.remote(
             self._replica_id, self._node_id)
-        additional = dict(self._llm_config.engine_kwargs.get("additional_config") or {})
         settings = peer_group_settings(a, getattr(self, "dp_rank", 0),
                                        holders=getattr(self, "_holder", None) is not None)
-        additional.update(settings.to_additional_config())
-        additional[PROCESS_METRICS_KEY] = {
+        self._member_additional = {**settings.to_additional_config(), PROCESS_METRICS_KEY: {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),
             "target_file": self._model_target_file,
-            "port": metrics_port(app.serving.metrics_port, slot, "model")}
-        # Not engine_kwargs[...] = ...: LLMConfig caches its engine config (a copy of
-        # engine_kwargs) before start(); update_engine_kwargs updates both. The KV-cache probe
-        # lets the replica read the workers' exact KV-cache bytes (engram_ray.serve.kv_cache).
-        self._llm_config.update_engine_kwargs(
-            additional_config=additional, **probe_engine_kwargs(self._llm_config.engine_kwargs))
+            "port": metrics_port(app.serving.metrics_port, slot, "model")}}
+        # The app's engine arguments, the ones this replica adds and the KV-cache probe (the
+        # replica reads the workers' exact KV-cache bytes: engram_ray.serve.kv_cache), set in
+        # LLMConfig and its cached engine config alike (`MemberRollMixin._set_engine_kwargs`).
+        self._set_engine_kwargs(app)
         # Table, host and gain bytes are not set from the plan here: the model process
         # reports what its tables really allocated (an engine that never got its peer-group
         # settings then shows no split instead of the planned one).
@@ -285,8 +291,13 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin):
         return await self._counted(super().chat, request, raw_request_info)
 
     def _refuse_if_retired(self) -> None:
-        """A member whose gang a rolling change replaced takes no new request: the ingress
-        sends it to a member that serves (nothing was sent yet)."""
+        """A member whose gang a rolling change replaced, or whose engine is about to restart
+        with new settings, takes no new request: the ingress sends it to a member that serves
+        (nothing was sent yet)."""
+        if self._draining:
+            raise MemberRetiredError(f"{self._assignment['group_id']} member "
+                                     f"{self._assignment['member_rank']} restarts its engine "
+                                     "with new settings")
         if self._retired:
             raise MemberRetiredError(f"{self._assignment['group_id']} generation "
                                      f"{self._assignment['generation']} was replaced")
@@ -365,11 +376,42 @@ class EngramDPServer(EngramServerMixin, DPServer):
                                  model_downloader=model_downloader)
 
 
-async def tag_generation(stream, generation: str):
-    """The engine's answers with `system_fingerprint` = the generation that produced them
-    (whole responses; stream chunks are passed as they are)."""
+async def tag_generation(stream, generation: str, config_version: str | None = None):
+    """The engine's answers with `system_fingerprint` = `<generation>+<config version>`: the
+    generation and the settings that produced them (`fingerprint_parts`). Whole responses are
+    tagged; of a stream, its first SSE packet (the ingress reads it for its headers)."""
+    fingerprint = f"{generation}+{config_version}" if config_version else generation
+    is_first = True
     async for item in stream:
         if hasattr(item, "system_fingerprint"):
-            item.system_fingerprint = generation
+            item.system_fingerprint = fingerprint
+        elif is_first and isinstance(item, str):
+            item = _fingerprinted(item, fingerprint)
+        elif is_first and isinstance(item, list) and item and isinstance(item[0], str):
+            item = [_fingerprinted(item[0], fingerprint), *item[1:]]
+        is_first = False
         yield item
 
+
+def _fingerprinted(packet: str, fingerprint: str) -> str:
+    """An SSE packet `data: {...}` with `system_fingerprint` set (others as they are)."""
+    head, sep, rest = packet.partition("data: ")
+    if not sep or not rest.lstrip().startswith("{"):
+        return packet
+    body, newlines = rest.rstrip("\n"), rest[len(rest.rstrip("\n")):]
+    try:
+        event = json.loads(body)
+    except ValueError:
+        return packet
+    if not isinstance(event, dict) or "error" in event:
+        return packet
+    event["system_fingerprint"] = fingerprint
+    return f"{head}data: {json.dumps(event)}{newlines}"
+
+
+def fingerprint_parts(fingerprint: str | None) -> tuple[str | None, str | None]:
+    """(generation, config version) of a `system_fingerprint` made by `tag_generation`."""
+    if not fingerprint:
+        return None, None
+    generation, _, version = fingerprint.partition("+")
+    return generation, version or None

@@ -23,6 +23,7 @@ def status(address, *args):
 def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path):
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import get_coordinator
+    from engram_ray.serve.config_change import config_version
 
     raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
     raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="stat",
@@ -47,10 +48,30 @@ def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path
         assert (row1[0], row1[1], row1[3:6]) == ("group-1", "b", ["0", "1", "0"])
         assert lines[3].endswith("no: 0 of 1 members ready")
         assert row0[2].startswith("stat-group-0.") or row0[2] != "-"
-        assert lines[4:] == ["  group-0 rank 0: m0 (ready)", "  group-1 rank 0: m1 (not ready)"]
+        version = config_version(raw)
+        assert lines[4:] == [f"  group-0 rank 0: m0 (ready, settings {version})",
+                             f"  group-1 rank 0: m1 (not ready, settings {version})",
+                             f"settings {version} (rollout in_place): 2 of 2 members run them"]
+        # New engine settings roll in place: a member of a whole group gets its turn, and
+        # status shows who restarts and how far the roll is.
+        rolled = json.loads(json.dumps(raw))
+        rolled["serving"]["engine_kwargs"]["max_num_seqs"] = 64
+        ray.get(coordinator.reconfigure.remote(rolled, {"group-0": "a", "group-1": "b"}))
+        new = config_version(rolled)
+        assert ray.get(coordinator.member_check.remote("m1", 0, False, version))[
+            "restart_for"] is None  # its group does not serve whole
+        assert ray.get(coordinator.member_check.remote("m0", 0, False, version))[
+            "restart_for"] == new
+        lines = status(address, "--name", "stat").stdout.splitlines()
+        assert f"  group-0 rank 0: m0 (engine restarting, settings {version})" in lines
+        assert lines[-1] == (f"settings {new} (rollout in_place): 0 of 2 members run them; "
+                             "restarting now: m0")
+        ray.get(coordinator.member_ready.remote("m0", None, new))
+        assert status(address, "--name", "stat").stdout.splitlines()[-1] == (
+            f"settings {new} (rollout in_place): 1 of 2 members run them")
         assert ray.get(coordinator.member_restarting.remote("m0", "engine died"))
         lines = status(address, "--name", "stat").stdout.splitlines()
-        assert "  group-0 rank 0: m0 (engine restarting)" in lines
+        assert f"  group-0 rank 0: m0 (engine restarting, settings {new})" in lines
         assert lines[0] == "deployment stat: 0 of 2 groups serving"
         ray.get(coordinator.member_ready.remote("m0"))
 

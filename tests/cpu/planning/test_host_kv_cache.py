@@ -112,13 +112,12 @@ def test_the_deepseek_serve_yaml_with_auto_reaches_ray_serve_llms_engine_kwargs(
 
     configs = Path(__file__).resolve().parents[3] / "cluster_configs"
     data = copy.deepcopy(read_yaml(configs / "serve_deepseek_v41_flash.yaml"))
-    for app in data["applications"]:  # the front door's and the groups' (one anchor)
-        app["args"]["serving"]["host_kv_cache_gib"] = "auto"
+    # An engine setting: the front door's only (serving.rollout.mode in_place)
+    data["applications"][0]["args"]["serving"]["host_kv_cache_gib"] = "auto"
     (checked,) = check_serve_config(data, "flash.yaml").values()
     group = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
     assert llm_config(checked, group).engine_kwargs[KV_OFFLOADING_ARG] == 78.41
     local = copy.deepcopy(read_yaml(configs / "serve_local_tiny.yaml"))
-    for app in local["applications"]:
-        app["args"]["serving"]["host_kv_cache_gib"] = 1
+    local["applications"][0]["args"]["serving"]["host_kv_cache_gib"] = 1
     with pytest.raises(ConfigError, match="table_backend is 'shm'"):
         check_serve_config(local, "local.yaml")

@@ -64,12 +64,16 @@ def test_each_group_is_an_application_of_its_own_with_the_front_doors_settings()
     two["applications"].append(_group_app("local-group-1", two["applications"][0]["args"],
                                           "group-1") | {"runtime_env": door["runtime_env"]})
     assert check_serve_config(two, "x.yaml")["engram-local"].serving.num_peer_groups == 2
-    # an engine change: group-0 shares it through the anchor, group-1 (written out) does not
+    # a group setting: group-0 shares it through the anchor, group-1 (written out) does not
     other = copy.deepcopy(two)
-    other["applications"][0]["args"]["serving"]["engine_kwargs"]["max_num_seqs"] = 64
+    other["applications"][0]["args"]["deployment"]["rendezvous_timeout_s"] = 100
     assert refused(other).startswith(
         "x.yaml: applications[2].args: differ from what the front door 'engram-local' runs its "
-        "groups with in serving.engine_kwargs.max_num_seqs")
+        "groups with in deployment.rendezvous_timeout_s")
+    # an engine setting (rollout.mode in_place) is the front door's: in a group it is refused
+    other = copy.deepcopy(two)
+    other["applications"][2]["args"]["serving"]["engine_kwargs"] = {"max_num_seqs": 64}
+    assert "in serving.engine_kwargs" in refused(other)
     other = copy.deepcopy(two)
     other["applications"][2]["args"]["serving"]["num_peer_groups"] = 2  # the front door's own
     assert "in serving.num_peer_groups" in refused(other)

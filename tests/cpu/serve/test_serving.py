@@ -128,6 +128,7 @@ def test_coordinator_left_by_an_earlier_deployment_is_reused_replaced_or_reconfi
     # ... beside the serving gangs only where a domain has a free slot for a new gang ...
     beside = json.loads(json.dumps(rolled))
     beside["serving"]["rollout"] = {"mode": "beside"}
+    beside["serving"]["engine_kwargs"]["max_num_seqs"] = 32
     with pytest.raises(EngramRayError, match="node-a has 0"):
         get_coordinator(beside, groups, "redeploy")
     # ... and a change the groups cannot roll is refused, naming it, unless applied whole.
@@ -232,20 +233,24 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
         {"ray.io/node-id": node_id}]
     (group_args,) = group_applications(raw).values()
     assert group_args["group"] == "group-0"
-    assert not {"num_peer_groups", "ingress", "request_limits"} & set(group_args["serving"])
+    assert not {"num_peer_groups", "ingress", "request_limits", "rollout", "engine_kwargs",
+                "max_model_len"} & set(group_args["serving"])  # in_place: the front door's
     # A group the front door did not place, or run with other settings: refused, saying why.
     from engram_ray.actors.coordinator_lookup import group_domain
     from engram_ray.serve.config import ServeAppConfig
 
     config = ServeAppConfig.from_dict(raw).to_dict()
     placed = ray.get(find_coordinator("built").status.remote())["group-0"]["domain"]
-    assert group_domain(config, "group-0", "built", 1.0) == placed
+    assert group_domain(config, "group-0", "built", 1.0) == (placed, config)
     with pytest.raises(EngramRayError, match=r"^group-1 of deployment 'built' waited 1 s for its "
                        r"front door \(the coordinator has groups \['group-0'\]\): deploy the "
                        "application with import_path engram_ray.serve.app:build_app"):
         group_domain(config, "group-1", "built", 1.0)
-    config["serving"]["engine_kwargs"]["max_num_seqs"] = 64
-    with pytest.raises(EngramRayError, match="and other values of serving.engine_kwargs"):
+    config["serving"]["engine_kwargs"]["max_num_seqs"] = 64  # the front door's (in_place)
+    assert group_domain(config, "group-0", "built", 1.0) == (placed, ServeAppConfig.from_dict(
+        raw).to_dict())
+    config["serving"]["metrics_port"] = 9600
+    with pytest.raises(EngramRayError, match="and other values of serving.metrics_port"):
         group_domain(config, "group-0", "built", 1.0)
     ray.kill(find_coordinator("built"))
 
