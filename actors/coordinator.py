@@ -39,6 +39,9 @@ Lifetime (`actors/lifetime.py`): killed, it restarts and rebuilds its book from 
 taking the store folders, the targets and the http_sd port with it.
 """
 
+# Over 300 lines: one actor's calls (members, routing, rebuild, rollouts, targets) share its one
+# lock and book; the in-place roll's calls are in actors/coordinator_roll.py.
+
 from __future__ import annotations
 
 import logging
@@ -48,6 +51,7 @@ import time
 
 import ray
 
+from engram_ray.actors.coordinator_roll import InPlaceRollMixin
 from engram_ray.actors.lifetime import (APP_CHECK_S, REBUILD_WAIT_S, ApplicationWatch,
                                         is_restarted_actor, save_settings, saved_settings)
 from engram_ray.metrics.exposition import TargetsServer
@@ -64,7 +68,7 @@ def coordinator_name(deployment_name: str) -> str:
 
 # Restarted by Ray when its process dies, calls in flight retried (`actors/lifetime.py`).
 @ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1, max_task_retries=-1)
-class Coordinator:
+class Coordinator(InPlaceRollMixin):
     def __init__(self, app_config_dict: dict, domains: dict[str, str]):
         from engram_ray.model.layout import load_layout
         from engram_ray.planning.generations import GenerationBook
@@ -135,64 +139,6 @@ class Coordinator:
                 restart_for = self._roll_turn_locked(replica_id, config_version)
             return {"incarnation": self.incarnation, "retired": is_retired,
                     "restart_for": restart_for}
-
-    def _roll_turn_locked(self, replica_id: str, running: str) -> str | None:
-        """The settings version member `replica_id` restarts its engine with now, if it is
-        its turn (`InPlaceRoll.next_turn`); its group then routes around it."""
-        rollout = self.config.serving.rollout
-        self.roll.member_versions.setdefault(replica_id, running)
-        live = self.book.member_ids()
-        for stale in [r for r in self.roll.turns if r not in live]:  # gang gone meanwhile
-            self.roll.forget(stale)
-        if rollout.mode != "in_place" or not self.roll.is_behind(replica_id):
-            return None
-        if replica_id in self.roll.turns:
-            return self.roll.version  # asked again before it reported: still its turn
-        group_id = self.book.whole_group_of(replica_id)
-        if group_id is None or not self.roll.next_turn(replica_id, group_id, True,
-                                                       rollout.max_groups_at_once):
-            return None
-        if self.book.member_restarting(replica_id, f"settings {self.roll.version} rolling "
-                                                   "out: engine restarts in place"):
-            self._routing_changed_locked()
-        logger.warning("engram-ray: %s member %s restarts its engine with settings %s "
-                       "(in-place roll)", group_id, replica_id, self.roll.version)
-        return self.roll.version
-
-    def member_settings(self) -> tuple[str, dict]:
-        """(settings version, app config) the members' engines should run."""
-        from engram_ray.serve.config_change import config_version
-
-        with self._lock:
-            return config_version(self.made_with[0]), self.made_with[0]
-
-    def roll_failed(self, replica_id: str, reason: str) -> None:
-        """Member `replica_id`'s engine would not start with the rolled-out settings (it
-        serves on the old ones again): the roll stops at it."""
-        with self._lock:
-            self.roll.stop(replica_id, reason)
-        logger.error("engram-ray: the in-place roll of %s's settings %s stopped at member %s "
-                     "(it serves on its old settings): %s; deploy settings that start, or the "
-                     "old ones", self.deployment_name, self.roll.version, replica_id, reason)
-
-    def roll_status(self) -> dict:
-        """The in-place roll's progress (`InPlaceRoll.progress`) and the mode."""
-        with self._lock:
-            return {"mode": self.config.serving.rollout.mode,
-                    **self.roll.progress(self.book.member_ids()),
-                    "member_versions": dict(self.roll.member_versions)}
-
-    def refuse(self, group_settings: dict, reason: str) -> None:
-        """The front door's build refused a deploy whose groups run `group_settings`."""
-        with self._lock:
-            self._refusal = (group_settings, reason)
-
-    def refusal(self, group_settings: dict) -> str | None:
-        """Why the deploy whose groups run `group_settings` was refused, if it was."""
-        with self._lock:
-            if self._refusal is not None and self._refusal[0] == group_settings:
-                return self._refusal[1]
-            return None
 
     def member_running(self, replica_id: str) -> None:
         """Serve runs the member (its first health check passed)."""

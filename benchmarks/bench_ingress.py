@@ -179,7 +179,8 @@ def deploy_plain(deployment) -> float:
     from engram_ray.local.deployment import log
 
     log(f"deploying {PLAIN}: ray.serve.llm.build_openai_app at /{PLAIN}")
-    # As LocalDeployment deploys: _run(_blocking=False) returns at once, so progress can show.
+    # serve.run of the extra front doors beside the deployment's declarative apps (Serve deletes
+    # only declarative apps a new config leaves out); _run(_blocking=False) returns at once.
     _run(plain_app(deployment), _blocking=False, name=PLAIN, route_prefix=f"/{PLAIN}")
     return wait_settled(PLAIN, f"{deployment.url}/{PLAIN}", deployment.options.startup_timeout_s)
 

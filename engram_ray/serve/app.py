@@ -233,7 +233,7 @@ def _refuse_in_place_settings(args: dict, mode: str) -> None:
 def engram_applications(args: dict, app_name: str, route_prefix: str = "/",
                         server_cls=None) -> list[tuple[str, str | None, object]]:
     """[(application name, route prefix, Serve application)] of a deployment started with
-    `serve.run` (tests; the local deployment runs only the changed ones): the front door first
+    `serve.run` (tests; the local deployment runs `serve deploy`): the front door first
     (its build sets the coordinator up), then every group's. `serve deploy` builds the same
     from the YAML."""
     apps = [(app_name, route_prefix, build_front_door(args, server_cls))]

@@ -1,4 +1,6 @@
-"""Faults and bad input on the local deployment, as its clients see them (issue 20).
+"""Faults, bad input and config changes on the local deployment, as its clients see them.
+Every change goes through `serve deploy` (Serve's declarative config, as the CLI and KubeRay
+apply it: `LocalDeployment.redeploy`).
 
 Two CPU engines as two peer groups of one engine each, under a load generator that counts a
 request as served only if its client saw it complete (finish_reason and [DONE]): the
@@ -134,10 +136,8 @@ def test_every_malformed_request_gets_a_clean_4xx_and_serving_goes_on(deployment
     assert set(_greedy_by_group(deployment, 2)) <= {"group-0", "group-1"}
 
 
-def test_a_changed_config_rolls_out_group_by_group_and_every_request_is_answered(deployment):
-    """serve deploy of another engine_kwargs value under load (serving.rollout.mode beside):
-    each group's new gang starts in the spare slot beside the serving one, takes over once
-    ready and the old one drained; not one request fails, every answer is the same."""
+def _under_traffic(deployment, change, **kwargs):
+    """`roll_under_load` of `change` with 6 clients: (its report, every request's result)."""
     from engram_ray.local.faults import reference_answers
     from engram_ray.local.rollout import roll_under_load
 
@@ -145,16 +145,127 @@ def test_a_changed_config_rolls_out_group_by_group_and_every_request_is_answered
                       max_tokens=32).start()
     try:
         time.sleep(3.0)
-        roll = roll_under_load(deployment, traffic, {"serving": {"engine_kwargs": {
-            "max_num_seqs": 64}}}, reference=reference_answers(traffic.results))
+        roll = roll_under_load(deployment, traffic, change,
+                               reference=reference_answers(traffic.results), **kwargs)
     finally:
         results = traffic.stop()
     print(roll)
     assert roll["window_requests"] > 0 and roll["window_failed"] == 0, roll
     assert roll["lost_silently"] == 0 and roll["failed_visibly"] == 0, roll
     assert roll["answers_checked"] > 0 and roll["answers_differing"] == 0, roll
+    assert sum(r.ok for r in results) == len(results)  # not one 503, before or after
+    return roll, results
+
+
+def test_an_engine_setting_rolls_in_place_one_engine_at_a_time_and_every_request_is_answered(
+        deployment):
+    """serve deploy of another engine_kwargs value (serving.rollout.mode in_place, the
+    default): no gang is replaced; each group's one engine restarts in place with the new
+    settings while the other group serves; answers name the settings that produced them."""
+    from engram_ray.local.faults import routing
+
+    before = routing("faults")
+    roll, results = _under_traffic(deployment, {"serving": {"engine_kwargs": {
+        "max_num_seqs": 96}}})
+    assert roll["same_generation"] == {"group-0": True, "group-1": True}, roll
+    assert roll["stopped"] is None and roll["version"] != roll["old_version"]
+    assert sorted(r["group_id"] for r in roll["member_restarts"]) == ["group-0", "group-1"]
+    assert {r.config for r in results if r.ok} == {roll["old_version"], roll["version"]}
+    assert {g: r["generation"] for g, r in routing("faults").items()} == {
+        g: r["generation"] for g, r in before.items()}
+
+
+def test_a_roll_whose_engine_will_not_start_stops_at_the_first_member_which_serves_on(
+        deployment):
+    """A value whose engine will not start (max_model_len above the model's): the roll stops
+    at the first member, which starts again on its old settings; the other group is never
+    touched and not one request fails."""
+    from engram_ray.local.rollout import roll_status
+
+    versions = dict(roll_status("faults")["member_versions"])
+    roll, _ = _under_traffic(deployment, {"serving": {"max_model_len": 100000}},
+                             timeout_s=600)
+    stopped = roll["stopped"]
+    assert stopped is not None and "max_model_len" in stopped["reason"], roll
+    assert roll["member_restarts"] == [] and roll["same_generation"] == {
+        "group-0": True, "group-1": True}
+    status = roll_status("faults")
+    assert status["member_versions"] == versions  # every engine on the settings it had
+    assert status["done"] == 0 and not status["restarting"]
+    deployment.redeploy({"serving": {"max_model_len": 512}})  # back: nothing to roll
+    deadline = time.monotonic() + 120
+    while roll_status("faults")["version"] != roll["old_version"]:
+        assert time.monotonic() < deadline
+        time.sleep(1.0)
+    assert roll_status("faults")["done"] == 2
+
+
+def test_a_change_in_place_cannot_apply_is_refused_by_name_and_the_groups_serve_on(
+        deployment):
+    """A setting that needs new gangs, with rollout.mode in_place: every build of the deploy
+    fails naming it and what to do; the running groups serve throughout; deploying the old
+    value again brings every application back without touching an engine."""
+    from ray import serve
+
+    from engram_ray.local.faults import routing
+
+    before = routing("faults")
+    traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=4,
+                      max_tokens=16).start()
+    try:
+        deployment.redeploy({"deployment": {"rendezvous_timeout_s": 299}})
+        deadline = time.monotonic() + 180
+        while True:
+            apps = serve.status().applications
+            failed = {n: a.message for n, a in apps.items() if a.status == "DEPLOY_FAILED"}
+            if len(failed) == len(deployment.applications) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        time.sleep(5.0)
+        results = traffic.stop()
+    finally:
+        traffic.stop()
+    assert set(failed) == set(deployment.applications), failed
+    for message in failed.values():
+        assert "deployment.rendezvous_timeout_s needs new gangs" in message, message
+        assert "rollout.mode: beside" in message and "Nothing was changed" in message
+    assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert routing("faults") == before
+    deployment.redeploy({"deployment": {"rendezvous_timeout_s": 300}})
+    deployment.wait_ready()
+    assert {g: r["generation"] for g, r in routing("faults").items()} == {
+        g: r["generation"] for g, r in before.items()}
+
+
+def test_a_change_of_the_rollout_alone_changes_only_the_front_door(deployment):
+    """serving.rollout (the front door's own): the groups' args do not change, so Serve
+    replaces no engine replica; no engine restarts, no generation changes, the settings
+    version stays."""
+    from engram_ray.local.faults import group_status, routing
+    from engram_ray.local.rollout import roll_status
+
+    before, version = routing("faults"), roll_status("faults")
+    restarts = {g: group_status("faults", g)["restarts"] for g in before}
+    deployment.redeploy({"serving": {"rollout": {"drain_timeout_s": 30}}})
+    deployment.wait_ready()
+    time.sleep(5.0)  # a restart would have begun by now
+    assert {g: group_status("faults", g)["restarts"] for g in before} == restarts
+    after = roll_status("faults")
+    assert (after["version"], after["member_versions"]) == (version["version"],
+                                                            version["member_versions"])
+    assert routing("faults") == before
+
+
+def test_a_changed_config_rolls_out_beside_with_a_spare_slot_and_every_request_is_answered(
+        deployment):
+    """serve deploy of another engine_kwargs value with serving.rollout.mode beside: each
+    group's new gang starts in the spare slot beside the serving one, takes over once ready
+    and the old one drained; not one request fails, every answer is the same."""
+    roll, _ = _under_traffic(deployment, {"serving": {"rollout": {"mode": "beside"},
+                                                      "engine_kwargs": {"max_num_seqs": 64}}})
     assert set(roll["groups_rolled_s"]) == {"group-0", "group-1"}
-    assert sum(r.ok for r in results) == len(results)
+    assert roll["same_generation"] == {"group-0": False, "group-1": False}  # new gangs
+    assert roll["member_restarts"] == []  # none restarted in place
 
 
 def test_num_peer_groups_up_and_down_adds_and_removes_a_group_and_leaves_the_others(
