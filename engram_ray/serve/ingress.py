@@ -62,6 +62,12 @@ class GroupsUnavailable(Exception):
     """No peer group of the model serves now."""
 
 
+class GroupLeft(Exception):
+    """The coordinator stopped routing to the group before its first chunk came (its members
+    stopped, e.g. its application was deleted by `serve deploy`): nothing was sent yet, so the
+    request goes to another group."""
+
+
 # The replica ids of every member that serves, as this process's ingress last heard from the
 # coordinator (None: not known yet); read by `engram_ray.serve.member_router` in this process.
 _live_replicas: set[str] | None = None
@@ -163,6 +169,29 @@ class GroupRouting:
             return False
         return self.table is None or self.table.get(group_id, {}).get("serving", False)
 
+    def has_left(self, group_id: str) -> bool:
+        """The coordinator's table no longer has `group_id` serving (gone, or not serving)."""
+        return self.table is not None and not self.table.get(group_id, {}).get("serving")
+
+    async def first_chunk(self, stream, group_id: str):
+        """`stream`'s first chunk; `GroupLeft` when the routing changes before it comes and
+        `group_id` no longer serves (a request queued for a group whose replicas Serve
+        stops would otherwise wait until its ingress replica is stopped)."""
+        first = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                changed = asyncio.ensure_future(self.wait_change(self.version, ROUTING_POLL_S))
+                done, _ = await asyncio.wait({first, changed},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if first in done:
+                    return first.result()
+                if self.has_left(group_id):
+                    raise GroupLeft(group_id)
+        finally:
+            if not first.done():
+                first.cancel()
+
     def mark_lost(self, group_id: str, generation: str | None) -> None:
         self.lost.setdefault((group_id, generation), time.monotonic())
 
@@ -227,9 +256,17 @@ class PeerGroupIngress(OpenAiIngress):
             try:
                 stream = super()._get_response(body=body, call_method=call_method,
                                                raw_request=raw_request)
-                first = await stream.__anext__()
+                first = await self._routing.first_chunk(stream, group_id)
             except StopAsyncIteration:
                 return
+            except GroupLeft:
+                logger.warning("engram-ray ingress: %s stopped serving before a request's first "
+                               "chunk; sending it to a group that serves", group_id)
+                tried.add(group_id)
+                if attempt == MAX_ATTEMPTS:
+                    raise GroupsUnavailable(f"peer group {group_id} stopped serving; retry in "
+                                            f"{RETRY_AFTER_S} s") from None
+                continue
             except Exception as exc:
                 if not is_group_failure(exc) or attempt == MAX_ATTEMPTS:
                     raise

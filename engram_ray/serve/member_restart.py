@@ -172,6 +172,7 @@ class MemberRestartMixin:
 
         await self._stop_engine()
         step("reap")
+        self._declare_held_slices()
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
         with recording_segments(self._replica_id):  # a death while starting too
@@ -188,6 +189,16 @@ class MemberRestartMixin:
                 raise
         step("serving")
         return phases
+
+    def _declare_held_slices(self) -> None:
+        """The new engine loads through `engram_held`, which tells vLLM's memory check what
+        the holder keeps allocated (device bytes: 0 with the shm backend), so that it starts
+        with the budget and KV cache of the first start (`engram_ray.vllm.held_memory`)."""
+        from engram_ray.vllm.held_memory import held_load_kwargs
+
+        held = self._holder.held_bytes if self._app.deployment.table_backend == "cuda" else 0
+        self._llm_config.update_engine_kwargs(**held_load_kwargs(
+            self._llm_config.engine_kwargs, held))
 
     async def _stop_engine(self) -> None:
         """The engine ended (`end_engine`) before it starts again in place."""

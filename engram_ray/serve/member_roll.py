@@ -67,10 +67,22 @@ class MemberRollMixin:
         self._config_version = version
 
     def _on_roll_turn(self, version: str) -> None:
-        """`member_check` said: restart with settings `version` now."""
+        """`member_check` said: restart with settings `version` now (a member holding no
+        slices cannot: the roll stops at it, and it serves on)."""
         if self._roll_task is None or self._roll_task.done():
-            if not self._restarting and self._restart_error is None:
-                self._roll_task = asyncio.get_running_loop().create_task(self._roll(version))
+            if self._restarting or self._restart_error is not None:
+                return
+            roll = self._roll(version) if self.can_restart_in_place() else self._cannot_roll()
+            self._roll_task = asyncio.get_running_loop().create_task(roll)
+
+    async def _cannot_roll(self) -> None:
+        from engram_ray.serve.member_restart import own_actor
+
+        await self._coordinator.roll_failed.remote(
+            self._replica_id, "its engine cannot restart in place (its replica holds no "
+            "slices: a data-parallel gang, or FABRIC-only slices)")
+        await self._coordinator.member_ready.remote(self._replica_id, own_actor(),
+                                                    self._config_version)
 
     async def _roll(self, version: str) -> None:
         from engram_ray.serve.config import ServeAppConfig

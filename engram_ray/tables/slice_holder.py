@@ -152,6 +152,12 @@ class SliceHolder:
         with self._lock:
             return bool(self.slices)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the slices it holds (device memory with the cuda backend)."""
+        with self._lock:
+            return sum(int(s["nbytes"]) for s in self.slices)
+
     def _serve(self) -> None:
         while True:
             try:

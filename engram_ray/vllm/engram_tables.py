@@ -34,7 +34,9 @@ def open_model_tables(layout: EngramLayout, vllm_config) -> EngramTables:
         return EngramTables.whole(layout, device)
     from engram_ray.metrics.exposition import start_process_metrics
 
-    is_dummy = str(vllm_config.load_config.load_format) == "dummy"
+    from engram_ray.vllm.held_memory import base_load_format
+
+    is_dummy = base_load_format(vllm_config.load_config) == "dummy"
     metrics = start_process_metrics(vllm_config.additional_config)
     tables = open_group_tables(
         layout, settings,

@@ -16,6 +16,9 @@
   before it is ready (`engram_ray.serve.engine_death` reads it back);
 - registers `EngramTinyForCausalLM` (engram_ray.vllm.tiny_engram) as a vLLM architecture,
   by name only, so nothing heavy is imported here;
+- registers the load format `engram_held` (`engram_ray.vllm.held_memory`: an engine restarted
+  in place declares the table slice its replica holds to vLLM's memory check) once vLLM has
+  imported its model loaders;
 - patches DeepSeek-V4.1's Engram table class (`engram_ray.vllm.deepseek_engram`) in
   `vllm.models.deepseek_v41.common.engram`: at once if vLLM has imported that module already,
   otherwise right after vLLM imports it (importing it takes ~8 s; processes that never serve
@@ -35,16 +38,27 @@ TINY_MODEL_CLASS = "engram_ray.vllm.tiny_engram:EngramTinyForCausalLM"
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
 
+LOADER_MODULE = "vllm.model_executor.model_loader"
+
+
 def _patch(module) -> None:
     from engram_ray.vllm.deepseek_engram import patch_engram_module
     patch_engram_module(module)
 
 
+def _register_loader(_module) -> None:
+    from engram_ray.vllm.held_memory import register_held_loader
+    register_held_loader()
+
+
 class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ENGRAM_MODULE through the other finders, runs it, then patches it."""
+    """Finds module `name` through the other finders, runs it, then calls `then(module)`."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != ENGRAM_MODULE:
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one module, once
         spec = importlib.util.find_spec(fullname)
@@ -59,16 +73,21 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        _patch(module)
+        self.then(module)
+
+
+def after_import(name: str, then) -> None:
+    """`then(module)` now if `name` is imported, else right after it is (idempotent)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+    elif not any(isinstance(f, _PatchAfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport(name, then))
 
 
 def install_deepseek_patch() -> None:
     """Patch now, or after vLLM imports the DeepSeek-V4.1 Engram module (idempotent)."""
-    module = sys.modules.get(ENGRAM_MODULE)
-    if module is not None:
-        _patch(module)
-    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    after_import(ENGRAM_MODULE, _patch)
 
 
 def register() -> None:
@@ -84,3 +103,6 @@ def register() -> None:
     if TINY_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(TINY_ARCHITECTURE, TINY_MODEL_CLASS)
     install_deepseek_patch()
+    # The `engram_held` load format of an engine restarted in place, registered once vLLM's
+    # loaders are (engram_ray.vllm.held_memory; the worker imports them, others need not).
+    after_import(LOADER_MODULE, _register_loader)

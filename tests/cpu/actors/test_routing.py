@@ -6,6 +6,8 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from engram_ray.model.layout import load_layout
 from engram_ray.planning.generations import GenerationBook
 from engram_ray.serve.cluster_configs import load_serve_config
@@ -203,6 +205,34 @@ def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
         assert await waiter and ingress.live_replica_ids() == {"m1"}
         assert await routing.wait_change(sent, 0.0)  # changed before its failure came back
         assert not await routing.wait_change(routing.version, 0.01)
+    asyncio.run(scenario())
+
+
+def test_a_request_waiting_for_a_group_that_stops_serving_goes_elsewhere():
+    """A request queued for a group whose members Serve stops (its application deleted by a
+    `serve deploy` that lowered num_peer_groups) gives up the group once the coordinator stops
+    routing to it; a routing change that keeps the group serving does not."""
+    from engram_ray.serve.ingress import GroupLeft
+
+    async def never_answers():
+        await asyncio.sleep(3600)
+        yield "never"
+
+    async def answers():
+        yield "first"
+
+    async def scenario():
+        routing = GroupRouting("unused")
+        routing._update({"group-0": _route("g.1"), "group-2": _route("k.1")})
+        assert await routing.first_chunk(answers(), "group-2") == "first"
+        waiting = asyncio.ensure_future(routing.first_chunk(never_answers(), "group-2"))
+        await asyncio.sleep(0.01)
+        routing._update({"group-0": _route("g.1"), "group-2": _route("k.1", members=("x",))})
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # still serving: it waits on
+        routing._update({"group-0": _route("g.1")})  # group-2 gone from the table
+        with pytest.raises(GroupLeft):
+            await asyncio.wait_for(waiting, 1.0)
     asyncio.run(scenario())
 
 
