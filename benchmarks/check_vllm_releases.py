@@ -58,6 +58,52 @@ def torch_pin(path: Path) -> str:
     return " or ".join(sorted(pins)) or "none"
 
 
+def held_slice_restart(tree: SourceTree) -> str:
+    """The release's own `request_memory` (its source from the wheel, run as it is) fed the
+    shipped numbers (an H200, 0.92, DeepSeek-V4.1-Flash's P=8 slice held by the replica):
+    whether a restart in place fails without the held slice declared and passes with it, with
+    the first start's budget less the slice (the KV cache as at the first start)."""
+    import ast
+    import logging
+    import math
+    from types import SimpleNamespace
+
+    from engram_ray.model.layout import load_layout
+    from engram_ray.planning.memory import make_plan
+
+    fn = next(n for n in tree.parsed("vllm/v1/worker/utils.py").body
+              if isinstance(n, ast.FunctionDef) and n.name == "request_memory")
+    fn.returns = None  # annotations name vLLM's types: not needed to run it
+    for arg in fn.args.args:
+        arg.annotation = None
+    log = logging.getLogger("check_vllm_releases")
+    log.info_once = log.info
+    space = {"math": math, "logger": log, "format_gib": lambda b: round(b / 2**30, 2)}
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "request_memory", "exec"),
+         space)  # noqa: S102
+    request_memory = space["request_memory"]
+    total, other = int(140.4 * 2**30), 2**30
+    held = make_plan(load_layout("deepseek-v4.1-flash"), "peer", peer_group_size=8
+                     ).hbm_bytes_per_gpu
+    # 0.34 reads resolved_gpu_memory_utilization and enable_extensible_kv_cache (off: the
+    # check applies, as it does by default).
+    cache = SimpleNamespace(gpu_memory_utilization=0.92, resolved_gpu_memory_utilization=0.92,
+                            enable_extensible_kv_cache=False)
+
+    def snapshot(free):
+        return SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0")
+
+    first = request_memory(snapshot(total - other), cache, 0)
+    try:
+        request_memory(snapshot(total - other - held), cache, 0)
+        return "a restart passed without the slice declared: nothing to fix?"
+    except ValueError:
+        pass
+    after = request_memory(snapshot(total - other - held), cache, held)
+    return ("passes" if after == first - held else
+            f"passes with {after} bytes, not the first start's {first} less {held}")
+
+
 def check_release(release: str, cache: Path) -> dict:
     dist, version = release.split("==")
     path = wheel(release, cache)
@@ -65,7 +111,11 @@ def check_release(release: str, cache: Path) -> dict:
     findings = check_tree(tree)
     waived = WAIVED.get(dist, {})
     kernel = hashlib.sha256(kernel_text(tree.text(ENGRAM), path.name).encode()).hexdigest()
-    return dict(release=f"{dist} {version}", wheel=path.name,
+    try:
+        restart = held_slice_restart(tree)
+    except Exception as exc:  # noqa: BLE001 - reported per release
+        restart = f"could not run: {type(exc).__name__}: {exc}"
+    return dict(release=f"{dist} {version}", wheel=path.name, held_slice_restart=restart,
                 supported=version_problem(dist, version) is None, torch=torch_pin(path),
                 lookup_kernel_sha256=kernel[:12],
                 checks={f.name: "holds" if f.holds else "waived" if f.name in waived
@@ -84,7 +134,10 @@ def markdown(results: list[dict], env: dict) -> str:
              "| --- |" + " --- |" * len(results)]
     rows = [("version supported", ["yes" if r["supported"] else "NO" for r in results]),
             ("torch pin", [r["torch"] for r in results]),
-            ("`_engram_lookup_kernel` sha256", [r["lookup_kernel_sha256"] for r in results])]
+            ("`_engram_lookup_kernel` sha256", [r["lookup_kernel_sha256"] for r in results]),
+            ("its `request_memory` (run from the wheel; H200, 0.92, Flash P=8 slice held): a "
+             "restart in place fails without the held slice declared and, declared, passes "
+             "with the first start's KV budget", [r["held_slice_restart"] for r in results])]
     rows += [(f"`{a.name}`: {a.assumes}", [r["checks"][a.name] for r in results])
              for a in ASSUMPTIONS]
     lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
@@ -106,7 +159,8 @@ def main() -> int:
     text = markdown(results, env)
     write_results(args.results, dict(releases=results), text, env=env)
     print(text)
-    return int(any(state == "BROKEN" for r in results for state in r["checks"].values()))
+    return int(any(state == "BROKEN" for r in results for state in r["checks"].values())
+               or any(r["held_slice_restart"] != "passes" for r in results))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the DeepSeek-V4.1 patch (`engram_ray.vllm.deepseek_engram`) assumes about vLLM, as named
-checks on vLLM's source text.
+"""What the DeepSeek-V4.1 patch (`engram_ray.vllm.deepseek_engram`) and an engine's restart in
+place (`engram_ray.vllm.held_memory`) assume about vLLM, as named checks on vLLM's source text.
 
 A check reads files of a vLLM tree (`SourceTree`: the folder holding an installed `vllm/`
 package, an unzipped wheel, or the wheel file itself) with `ast` and never imports vLLM, so the
@@ -19,6 +19,9 @@ from typing import Callable
 ENGRAM = "vllm/models/deepseek_v41/common/engram.py"
 NVIDIA_MODEL = "vllm/models/deepseek_v41/nvidia/model.py"
 LOADER_UTILS = "vllm/model_executor/model_loader/utils.py"
+WORKER_UTILS = "vllm/v1/worker/utils.py"
+GPU_WORKER = "vllm/v1/worker/gpu_worker.py"
+LOADERS = "vllm/model_executor/model_loader/__init__.py"
 TABLE = "ParallelEngramEmbedding"
 _REQUIRED = object()  # a parameter without a default
 CONSTRUCTOR = (("self", _REQUIRED), ("num_embeddings", _REQUIRED), ("dim", _REQUIRED),
@@ -233,6 +236,16 @@ def background_grid(tree: SourceTree) -> str | None:
     return None
 
 
+def external_memory_hook(tree: SourceTree) -> str | None:
+    fn = _method(tree, WORKER_UTILS, "request_memory")
+    if "external_weight_memory" not in [a.arg for a in fn.args.args]:
+        return "request_memory takes no external_weight_memory"
+    if not _calls(tree.parsed(GPU_WORKER), "get_external_weight_memory"):
+        return "gpu_worker.py no longer asks the model loader for get_external_weight_memory"
+    _method(tree, LOADERS, "register_model_loader")
+    return None
+
+
 @dataclass(frozen=True)
 class Assumption:
     name: str
@@ -259,6 +272,10 @@ ASSUMPTIONS = (
                "Engram._init_staging drops the prefetch stream", prefetch_stream),
     Assumption("background_grid", "lookup's `background` only halves vLLM's own grid (the "
                "patch ignores it)", background_grid),
+    Assumption("external_memory_hook", "the GPU worker subtracts the model loader's "
+               "get_external_weight_memory from request_memory's budget; loaders register "
+               "through register_model_loader (an engine restarted in place declares its held "
+               "slice: engram_ray.vllm.held_memory)", external_memory_hook),
 )
 
 

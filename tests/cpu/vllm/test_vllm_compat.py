@@ -10,8 +10,9 @@ import types
 import pytest
 
 from engram_ray.vllm import compat
-from engram_ray.vllm.assumptions import (ASSUMPTIONS, ENGRAM, LOADER_UTILS, NVIDIA_MODEL,
-                                         SourceTree, check_tree)
+from engram_ray.vllm.assumptions import (ASSUMPTIONS, ENGRAM, GPU_WORKER, LOADER_UTILS,
+                                         LOADERS, NVIDIA_MODEL, WORKER_UTILS, SourceTree,
+                                         check_tree)
 
 # The shape of vLLM's code the patch relies on, and nothing else.
 SYNTHETIC = {
@@ -64,6 +65,20 @@ SYNTHETIC = {
                 quant_method = getattr(module, "quant_method", None)
                 quant_method.process_weights_after_loading(module)
         ''',
+    WORKER_UTILS: '''
+        def request_memory(init_snapshot, cache_config, external_weight_memory=0):
+            return init_snapshot.total_memory - external_weight_memory
+        ''',
+    GPU_WORKER: '''
+        class Worker:
+            def init_device(self):
+                external = get_model_loader(self.load_config).get_external_weight_memory(None)
+                self.requested_memory = request_memory(snapshot, self.cache_config, external)
+        ''',
+    LOADERS: '''
+        def register_model_loader(load_format):
+            return lambda cls: cls
+        ''',
 }
 
 # (assumption, file, text in SYNTHETIC, what a vLLM change would put there)
@@ -83,6 +98,9 @@ BREAKS = [
     ("batch_skips_local_tables", ENGRAM, "dp_size == 1:", "dp_size == 0:"),
     ("prefetch_stream", ENGRAM, "self._prefetch_stream = None", "self._prefetch_stream = 0"),
     ("background_grid", ENGRAM, "grid = min(", "self.sort = background\n        grid = min("),
+    ("external_memory_hook", WORKER_UTILS, "cache_config, external_weight_memory=0",
+     "cache_config"),
+    ("external_memory_hook", GPU_WORKER, ".get_external_weight_memory(None)", ".sizes()"),
 ]
 
 
