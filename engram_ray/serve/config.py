@@ -127,8 +127,10 @@ class RolloutConfig(Section):
         "`in_place`: how many groups restart a member at the same time (never two members of "
         "one group)"))
     in_place_timeout_s: Seconds = Field(600.0, description=(
-        "`in_place`: how long one member's restart with the new settings may take before the "
-        "roll stops at it"))
+        "how long an engine restarted in place may take to serve again (measured on CPU: "
+        "23-60 s): past it, a roll stops at that member (its old settings again), and an "
+        "engine restarted after its death is given up (the member is lost, its gang "
+        "restarts)"))
 
 
 class ServingConfig(Section):

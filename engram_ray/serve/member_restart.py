@@ -118,13 +118,16 @@ class MemberRestartMixin:
             started, a = time.monotonic(), self._assignment
             self._note_restarting(reason)
             self.engram_metrics.set_group(a["generation_index"], False)
-            try:
-                phases = await self._restart_engine()
+            deadline_s = self._app.serving.rollout.in_place_timeout_s
+            try:  # a restart that hangs is given up: the member is lost, the gang restarts
+                phases = await asyncio.wait_for(self._restart_engine(), deadline_s)
             except asyncio.CancelledError:  # the replica is shutting down
                 raise
             except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
+                from engram_ray.serve.member_roll import restart_failure
+
                 await self._lose(f"engine of {a['group_id']}-r{a['member_rank']} could not "
-                                 f"restart in place: {type(exc).__name__}: {exc}")
+                                 f"restart in place: {restart_failure(exc, deadline_s)}")
                 return
         finally:
             self._restarting = False

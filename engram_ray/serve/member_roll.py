@@ -111,7 +111,7 @@ class MemberRollMixin:
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - the roll stops; old settings again
-                reason = _why(exc, rollout.in_place_timeout_s)
+                reason = restart_failure(exc, rollout.in_place_timeout_s)
                 logger.error("engram-ray: engine %s did not start with settings %s (%s): "
                              "starting it again on settings %s", name, new_version, reason,
                              old_version)
@@ -172,7 +172,7 @@ class MemberRollMixin:
             watch.cancel()
 
 
-def _why(exc: BaseException, timeout_s: float) -> str:
+def restart_failure(exc: BaseException, timeout_s: float) -> str:
     """One line: the error's own lines, without pydantic's "For further information" links."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return f"not serving after serving.rollout.in_place_timeout_s ({timeout_s:g} s)"

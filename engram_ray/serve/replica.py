@@ -116,10 +116,12 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             self._ready_at = time.time()
             await self._coordinator.member_ready.remote(self._replica_id, own_actor(),
                                                         self._config_version)
-            await self._take_over_when_drained(app.serving.rollout.drain_timeout_s
-                                               + 2 * app.deployment.rendezvous_timeout_s)
+            # Watched from here: a member of a gang started beside a serving one whose engine
+            # dies before the takeover breaks that gang (the serving one goes on).
             self._engine_watch_task = asyncio.get_running_loop().create_task(
                 self._watch_engine())
+            await self._take_over_when_drained(app.serving.rollout.drain_timeout_s
+                                               + 2 * app.deployment.rendezvous_timeout_s)
         except BaseException as exc:
             logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)
             await self._leave()

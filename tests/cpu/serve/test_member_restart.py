@@ -35,10 +35,14 @@ class _Coordinator:
 
 
 class _Member(MemberRestartMixin):
-    def __init__(self, restarting, holds_slices=True):
+    def __init__(self, restarting, holds_slices=True, deadline_s=600.0, hangs=False):
+        from engram_ray.serve.config import ServeAppConfig
+
         self._coordinator, self._replica_id = _Coordinator(restarting), "replica-0"
         self._holds_slices, self.reported = holds_slices, []
-        self.restarted = False
+        self.restarted, self.hangs = False, hangs
+        self._app = ServeAppConfig.from_dict({"serving": {"rollout": {
+            "in_place_timeout_s": deadline_s}}})
 
     def can_restart_in_place(self) -> bool:
         return self._holds_slices
@@ -51,6 +55,8 @@ class _Member(MemberRestartMixin):
 
     async def _restart_engine(self):
         self.restarted = True
+        if self.hangs:
+            await asyncio.sleep(3600)
         raise RuntimeError("not in this test")
 
 
@@ -80,6 +86,21 @@ def test_a_restart_that_fails_loses_the_member_naming_why():
     assert member.restarted and not member._restarting
     assert member._restart_error == ("engine of group-0-r1 could not restart in place: "
                                      "RuntimeError: not in this test")
+    assert member.reported == [member._restart_error]
+
+
+def test_a_restart_that_does_not_serve_within_the_deadline_loses_the_member():
+    """serving.rollout.in_place_timeout_s: a restart in place that hangs is given up; the
+    member is lost (its health checks fail: Serve restarts its gang)."""
+    member = _Member(True, deadline_s=0.2, hangs=True)
+    member._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 0,
+                          "generation": "local-group-0.1"}
+    member.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
+    asyncio.run(asyncio.wait_for(member._on_engine_death(), 5.0))
+    assert member.restarted and not member._restarting
+    assert member._restart_error == (
+        "engine of group-0-r0 could not restart in place: not serving after "
+        "serving.rollout.in_place_timeout_s (0.2 s)")
     assert member.reported == [member._restart_error]
 
 
