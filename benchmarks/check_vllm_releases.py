@@ -63,25 +63,14 @@ def held_slice_restart(tree: SourceTree) -> str:
     shipped numbers (an H200, 0.92, DeepSeek-V4.1-Flash's P=8 slice held by the replica):
     whether a restart in place fails without the held slice declared and passes with it, with
     the first start's budget less the slice (the KV cache as at the first start)."""
-    import ast
-    import logging
-    import math
     from types import SimpleNamespace
 
     from engram_ray.model.layout import load_layout
     from engram_ray.planning.memory import make_plan
+    from gpu_held_memory import request_memory_from
 
-    fn = next(n for n in tree.parsed("vllm/v1/worker/utils.py").body
-              if isinstance(n, ast.FunctionDef) and n.name == "request_memory")
-    fn.returns = None  # annotations name vLLM's types: not needed to run it
-    for arg in fn.args.args:
-        arg.annotation = None
-    log = logging.getLogger("check_vllm_releases")
-    log.info_once = log.info
-    space = {"math": math, "logger": log, "format_gib": lambda b: round(b / 2**30, 2)}
-    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "request_memory", "exec"),
-         space)  # noqa: S102
-    request_memory = space["request_memory"]
+    request_memory = request_memory_from(tree.text("vllm/v1/worker/utils.py"),
+                                         f"{tree.label}: vllm/v1/worker/utils.py")
     total, other = int(140.4 * 2**30), 2**30
     held = make_plan(load_layout("deepseek-v4.1-flash"), "peer", peer_group_size=8
                      ).hbm_bytes_per_gpu

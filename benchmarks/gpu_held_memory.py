@@ -32,9 +32,11 @@ from common import add_results_argument, environment, write_results  # noqa: E40
 UTILIZATION = 0.92
 
 
-def request_memory_from(path: Path):
-    """vLLM's `request_memory`, compiled from its source file (annotations dropped)."""
-    fn = next(n for n in ast.parse(path.read_text()).body
+def request_memory_from(source: str, label: str):
+    """vLLM's `request_memory`, compiled from the text of its `vllm/v1/worker/utils.py`
+    (annotations dropped: they name vLLM's types; `label` names the source in tracebacks).
+    Also used by check_vllm_releases.py on each wheel's copy."""
+    fn = next(n for n in ast.parse(source).body
               if isinstance(n, ast.FunctionDef) and n.name == "request_memory")
     fn.returns = None
     for arg in fn.args.args:
@@ -42,7 +44,7 @@ def request_memory_from(path: Path):
     log = logging.getLogger("request_memory")
     log.info_once = log.info
     space = {"math": math, "logger": log, "format_gib": lambda b: round(b / 2**30, 2)}
-    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), str(path), "exec"), space)
+    exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), label, "exec"), space)
     return space["request_memory"]
 
 
@@ -73,7 +75,7 @@ def run(args) -> dict:
     from engram_ray.planning.memory import make_plan
     from engram_ray.vllm.held_memory import HELD_BYTES_KEY, held_load_kwargs
 
-    request_memory = request_memory_from(args.vllm_utils)
+    request_memory = request_memory_from(args.vllm_utils.read_text(), str(args.vllm_utils))
     cache = SimpleNamespace(gpu_memory_utilization=UTILIZATION,
                             resolved_gpu_memory_utilization=UTILIZATION,
                             enable_extensible_kv_cache=False)
