@@ -413,4 +413,6 @@ class Coordinator(InPlaceRollMixin):
         current = self.book.member_ids()
         for replica_id in [r for r in self._actors if r not in current]:
             del self._actors[replica_id]
+        for replica_id in [r for r in self.roll.member_versions if r not in current]:
+            self.roll.forget(replica_id)
         self.metric_targets.keep_only(current.__contains__)

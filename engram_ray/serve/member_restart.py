@@ -108,6 +108,9 @@ class MemberRestartMixin:
     async def _on_engine_death(self) -> None:
         """The engine died while serving: restart it in place, or report the member lost (its
         health checks fail from then on, so Serve restarts the gang)."""
+        roll = getattr(self, "_roll_task", None)
+        if roll is not None and not roll.done():
+            return  # the engine died while a roll drains it: the roll restarts it anyway
         death = self._engine_death("while serving")
         reason = death.line() if death is not None else "engine died"
         self._restarting = True  # health checks pass while this decides and restarts

@@ -101,11 +101,11 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
         group_id = self._llm_config.experimental_configs[GROUP_KEY]["group_id"]
         self._assignment = a = await self._coordinator.join.remote(
             group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
-        await self._take_settings()  # the engine settings the coordinator holds now
-        app = self._app
         self._start_link()  # kept across the coordinator's restarts
-        await asyncio.to_thread(release_leftovers)  # what killed replicas left on this node
         try:  # from here on this replica holds a rank: a failure gives it back at once
+            await self._take_settings()  # the engine settings the coordinator holds now
+            app = self._app
+            await asyncio.to_thread(release_leftovers)  # what killed replicas left here
             if getattr(self, "dp_size", 1) == 1:  # DP gangs restart whole (member_restart)
                 from engram_ray.tables.slice_holder import SliceHolder
                 self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
