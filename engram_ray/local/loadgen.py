@@ -23,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engram_ray.serve.fingerprint import fingerprint_parts
+
 OK, FAILED, LOST = "ok", "failed", "lost"
 
 
@@ -145,7 +147,7 @@ async def _read_stream(resp, result: RequestResult) -> None:
 
 def _read_answer(answer: dict, result: RequestResult) -> None:
     choices = answer.get("choices") or []
-    result.generation = (answer.get("system_fingerprint") or "").partition("+")[0] \
+    result.generation = fingerprint_parts(answer.get("system_fingerprint"))[0] \
         or result.generation
     result.ttft_s = time.monotonic() - result.started_at
     result.num_chunks = 1
@@ -242,7 +244,7 @@ def probe_generations(base_url: str, model: str, stop, period_s: float = 0.2,
                 resp = http.post(f"{base_url}/completions", json={
                     "model": model, "prompt": "hi", "max_tokens": 2})
                 fingerprint = resp.json().get("system_fingerprint") if resp.is_success else None
-                fingerprint = fingerprint.partition("+")[0] if fingerprint else None
+                fingerprint = fingerprint_parts(fingerprint)[0]
             except (httpx.HTTPError, ValueError):
                 fingerprint = None
             answers.append((time.monotonic(), fingerprint))

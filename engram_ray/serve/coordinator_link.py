@@ -78,7 +78,7 @@ class CoordinatorLinkMixin:
         """`call(request, raw_request_info)`'s stream, tagged with this member's generation
         and counted in `_in_flight` from the call until the stream ends (a retired member
         drains them)."""
-        from engram_ray.serve.replica import tag_generation
+        from engram_ray.serve.fingerprint import tag_generation
 
         self._in_flight += 1
         try:

@@ -328,8 +328,8 @@ class PeerGroupIngress(OpenAiIngress):
 
 def _config_of(chunk) -> str | None:
     """The settings version in a first chunk's `system_fingerprint`
-    (`engram_ray.serve.replica.tag_generation`): a response, an SSE packet, or a list."""
-    from engram_ray.serve.replica import fingerprint_parts
+    (`engram_ray.serve.fingerprint.tag_generation`): a response, an SSE packet, or a list."""
+    from engram_ray.serve.fingerprint import fingerprint_parts
 
     first = chunk[0] if isinstance(chunk, list) and chunk else chunk
     fingerprint = getattr(first, "system_fingerprint", None)

@@ -127,8 +127,6 @@ class MemberRestartMixin:
             except asyncio.CancelledError:  # the replica is shutting down
                 raise
             except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
-                from engram_ray.serve.member_roll import restart_failure
-
                 await self._lose(f"engine of {a['group_id']}-r{a['member_rank']} could not "
                                  f"restart in place: {restart_failure(exc, deadline_s)}")
                 return
@@ -252,3 +250,12 @@ def own_actor():
         return ray.get_runtime_context().current_actor
     except RuntimeError:
         return None
+
+
+def restart_failure(exc: BaseException, timeout_s: float) -> str:
+    """One line: the error's own lines, without pydantic's "For further information" links."""
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return f"not serving after serving.rollout.in_place_timeout_s ({timeout_s:g} s)"
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.strip().startswith("For further information")]
+    return f"{type(exc).__name__}: {' '.join(lines)}"[:400]

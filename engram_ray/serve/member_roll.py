@@ -55,16 +55,20 @@ class MemberRollMixin:
                 getattr(cached, name).update(getattr(fresh, name))
         self._app = app
 
-    async def _take_settings(self) -> None:
-        """This engine's settings from the coordinator (its app config with the coordinator's
-        `IN_PLACE_SETTINGS`); the replica's own start adds its peer-group keys after."""
+    def _app_with(self, settings: dict):
+        """This replica's app config with the `IN_PLACE_SETTINGS` of `settings` (the
+        coordinator's app config)."""
         from engram_ray.serve.config import ServeAppConfig
         from engram_ray.serve.config_change import with_in_place_values
 
+        return ServeAppConfig.from_dict(with_in_place_values(self._app.to_dict(), settings),
+                                        "replica")
+
+    async def _take_settings(self) -> None:
+        """This engine's settings from the coordinator; the replica's own start adds its
+        peer-group keys after."""
         version, settings = await self._coordinator.member_settings.remote()
-        self._app = ServeAppConfig.from_dict(with_in_place_values(self._app.to_dict(),
-                                                                  settings), "replica")
-        self._config_version = version
+        self._app, self._config_version = self._app_with(settings), version
 
     def _on_roll_turn(self, version: str) -> None:
         """`member_check` said: restart with settings `version` now (a member holding no
@@ -86,7 +90,7 @@ class MemberRollMixin:
 
     async def _roll(self, version: str) -> None:
         from engram_ray.serve.config import ServeAppConfig
-        from engram_ray.serve.config_change import with_in_place_values
+        from engram_ray.serve.member_restart import restart_failure
 
         a, old_app, old_version = self._assignment, self._app, self._config_version
         name = f"{a['group_id']}-r{a['member_rank']}"
@@ -94,8 +98,7 @@ class MemberRollMixin:
         if new_version == old_version:
             await self._coordinator.member_ready.remote(self._replica_id, None, old_version)
             return
-        new_app = ServeAppConfig.from_dict(with_in_place_values(old_app.to_dict(), settings),
-                                           "replica")
+        new_app = self._app_with(settings)
         # The front door's own settings (the rollout's) are the coordinator's current ones.
         rollout = ServeAppConfig.from_dict(settings, "coordinator").serving.rollout
         self._restarting = True  # health checks pass while it drains and restarts
@@ -170,12 +173,3 @@ class MemberRollMixin:
         watch = getattr(self, "_engine_watch_task", None)
         if watch is not None and not watch.done():
             watch.cancel()
-
-
-def restart_failure(exc: BaseException, timeout_s: float) -> str:
-    """One line: the error's own lines, without pydantic's "For further information" links."""
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return f"not serving after serving.rollout.in_place_timeout_s ({timeout_s:g} s)"
-    lines = [line.strip() for line in str(exc).splitlines()
-             if line.strip() and not line.strip().startswith("For further information")]
-    return f"{type(exc).__name__}: {' '.join(lines)}"[:400]

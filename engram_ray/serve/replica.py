@@ -85,9 +85,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
 
     async def start(self):
         from engram_ray.actors.coordinator_lookup import find_coordinator
-        from engram_ray.serve.config import ServeAppConfig
-
         from engram_ray.serve.app import engine_kwargs
+        from engram_ray.serve.config import ServeAppConfig
 
         raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]
         self._app = ServeAppConfig.from_dict(raw, "replica")
@@ -376,44 +375,3 @@ class EngramDPServer(EngramServerMixin, DPServer):
             str(gang.rank * num_bundles + i) for i in range(num_bundles))
         await LLMServer.__init__(self, llm_config, engine_cls=engine_cls,
                                  model_downloader=model_downloader)
-
-
-async def tag_generation(stream, generation: str, config_version: str | None = None):
-    """The engine's answers with `system_fingerprint` = `<generation>+<config version>`: the
-    generation and the settings that produced them (`fingerprint_parts`). Whole responses are
-    tagged; of a stream, its first SSE packet (the ingress reads it for its headers)."""
-    fingerprint = f"{generation}+{config_version}" if config_version else generation
-    is_first = True
-    async for item in stream:
-        if hasattr(item, "system_fingerprint"):
-            item.system_fingerprint = fingerprint
-        elif is_first and isinstance(item, str):
-            item = _fingerprinted(item, fingerprint)
-        elif is_first and isinstance(item, list) and item and isinstance(item[0], str):
-            item = [_fingerprinted(item[0], fingerprint), *item[1:]]
-        is_first = False
-        yield item
-
-
-def _fingerprinted(packet: str, fingerprint: str) -> str:
-    """An SSE packet `data: {...}` with `system_fingerprint` set (others as they are)."""
-    head, sep, rest = packet.partition("data: ")
-    if not sep or not rest.lstrip().startswith("{"):
-        return packet
-    body, newlines = rest.rstrip("\n"), rest[len(rest.rstrip("\n")):]
-    try:
-        event = json.loads(body)
-    except ValueError:
-        return packet
-    if not isinstance(event, dict) or "error" in event:
-        return packet
-    event["system_fingerprint"] = fingerprint
-    return f"{head}data: {json.dumps(event)}{newlines}"
-
-
-def fingerprint_parts(fingerprint: str | None) -> tuple[str | None, str | None]:
-    """(generation, config version) of a `system_fingerprint` made by `tag_generation`."""
-    if not fingerprint:
-        return None, None
-    generation, _, version = fingerprint.partition("+")
-    return generation, version or None
