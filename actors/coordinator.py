@@ -94,7 +94,7 @@ class Coordinator(InPlaceRollMixin):
         self._version = time.time_ns() // 1_000_000
         self._rebuild_until = time.monotonic() + REBUILD_WAIT_S if restarted else 0.0
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
-                                   domains)
+                                   domains, config.serving.data_parallel_size)
         self.metric_targets = TargetBook(config.serving.prometheus_targets_file)
         self.roll = InPlaceRoll(config_version(app_config_dict))
         self._refusal: tuple[dict, str] | None = None  # (group settings, why) of a refused deploy
@@ -126,7 +126,9 @@ class Coordinator(InPlaceRollMixin):
                      knows_retired: bool = False, config_version: str | None = None) -> dict:
         """{"incarnation" (a member that joined another one rejoins: `rejoin`), "retired"
         (the member's gang was replaced by a rolling change: it takes no new requests),
-        "restart_for" (the settings version its engine restarts with now, or None)};
+        "restart_for" (the settings version its engine restarts with now, or None),
+        "restart_epoch" (the number of the restart in place it is part of now, or None: a
+        member of a data-parallel gang restarts when another member's engine died)};
         `in_flight`: the requests the member runs, counted once it `knows_retired`;
         `config_version`: the settings its engine runs."""
         with self._lock:
@@ -137,8 +139,9 @@ class Coordinator(InPlaceRollMixin):
             if replica_id is not None and config_version is not None and \
                     not self._rebuild_until:
                 restart_for = self._roll_turn_locked(replica_id, config_version)
+            restart_epoch = self.book.restart_epoch(replica_id) if replica_id else None
             return {"incarnation": self.incarnation, "retired": is_retired,
-                    "restart_for": restart_for}
+                    "restart_for": restart_for, "restart_epoch": restart_epoch}
 
     def member_running(self, replica_id: str) -> None:
         """Serve runs the member (its first health check passed)."""
@@ -260,19 +263,23 @@ class Coordinator(InPlaceRollMixin):
                     self._actors[replica_id] = actor
                 self._routing_changed_locked()
 
-    def member_restarting(self, replica_id: str, reason: str) -> bool:
+    def member_restarting(self, replica_id: str, reason: str) -> int | None:
         """Member `replica_id`'s engine died and restarts in place (its replica holds its
-        slices): the ingress stops sending it requests; its group's other members serve on.
-        False when its generation no longer serves (then it is not restarted in place)."""
+        slices), with the rest of its data-parallel gang if it has one: the ingress stops
+        sending them requests; its group's other members serve on. The restart's number
+        (`GenerationBook.member_restarting`), or None when its generation no longer serves
+        (then it is not restarted in place)."""
         self._wait_rebuilt()
         with self._lock:
-            if not self.book.member_restarting(replica_id, reason):
-                return False
+            epoch = self.book.member_restarting(replica_id, reason)
+            if epoch is None:
+                return None
             group_id, generation, rank = self.book.find_member(replica_id)
-            logger.warning("engram-ray: %s generation %s member %d restarts its engine: %s",
-                           group_id, generation, rank, reason)
+            logger.warning("engram-ray: %s generation %s member %d restarts its engine%s: %s",
+                           group_id, generation, rank, " with its data-parallel gang"
+                           if self.book.dp_size > 1 else "", reason)
             self._routing_changed_locked()
-            return True
+            return epoch
 
     def report_broken(self, replica_id: str, reason: str) -> None:
         """Member `replica_id` is lost (its engine died, its health check failed)."""

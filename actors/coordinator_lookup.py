@@ -89,16 +89,6 @@ def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
     if mode == "in_place":
         from engram_ray.serve.config_change import in_place_changes
 
-        dp_size = (new.get("serving") or {}).get("data_parallel_size", 1)
-        in_place = in_place_changes(changed_settings(old, new))
-        if in_place and dp_size > 1:
-            raise EngramRayError(
-                f"deployment {deployment_name!r} serves data-parallel gangs "
-                f"(serving.data_parallel_size {dp_size}), whose engines do not restart in place "
-                f"yet, so this change of {', '.join(in_place)} cannot roll in place; set "
-                "serving.rollout.mode: beside (needs deployment.peer_group_size free engine "
-                "slots in each group's domain) or restart (an outage of one cold start), and "
-                "write these settings in the groups' args too. Nothing was changed")
         gangs = changed_settings(group_settings(old, "in_place"), group_settings(new))
         if gangs:
             raise EngramRayError(

@@ -33,6 +33,8 @@ class InPlaceRollMixin:
         if self.book.member_restarting(replica_id, f"settings {self.roll.version} rolling "
                                                    "out: engine restarts in place"):
             self._routing_changed_locked()
+        for peer in self.book.dp_peers(replica_id):  # a DP gang restarts whole
+            self.roll.join_turn(peer, group_id)
         logger.warning("engram-ray: %s member %s restarts its engine with settings %s "
                        "(in-place roll)", group_id, replica_id, self.roll.version)
         return self.roll.version

@@ -46,6 +46,10 @@ class LocalOptions:
     metrics_port: int | None = None
     # serving.rollout.mode (the YAML's: in_place, the default); `beside` needs spare slots.
     rollout_mode: str | None = None
+    # serving.data_parallel_size (the YAML's 1): engines per data-parallel gang. vLLM forms a
+    # DP group only for MoE models, so a gang of 2 or more wants `num_experts`.
+    data_parallel_size: int | None = None
+    num_experts: int = 0  # experts per MLP of the tiny model it writes (0: dense)
 
 
 def log(text: str) -> None:
@@ -63,7 +67,8 @@ class LocalDeployment:
         from engram_ray.serve.cluster_configs import APP_IMPORT_PATH, read_yaml
 
         self.options = opts = options
-        self.model_dir = os.path.join(opts.workdir, "tiny-model")
+        self.model_dir = os.path.join(opts.workdir, "tiny-model" + (
+            f"-moe{opts.num_experts}" if opts.num_experts else ""))
         doc = read_yaml(serve_yaml_path())
         # The front door's args; the group applications' are made from them (`_deploy`).
         app = next(a for a in doc["applications"] if a["import_path"] == APP_IMPORT_PATH)
@@ -83,6 +88,8 @@ class LocalDeployment:
             args["serving"]["metrics_port"] = opts.metrics_port
         if opts.rollout_mode is not None:
             args["serving"]["rollout"] = {"mode": opts.rollout_mode}
+        if opts.data_parallel_size is not None:
+            args["serving"]["data_parallel_size"] = opts.data_parallel_size
         doc["http_options"]["port"] = opts.port
         self.doc, self.app_name, self.args = doc, app["name"], args
         self.env = {**CPU_ENV, **app.get("runtime_env", {}).get("env_vars", {})}
@@ -133,12 +140,12 @@ class LocalDeployment:
         release_leftovers(wait_s=0.0 if refuse_live else 15.0)
 
     def make_model(self) -> None:
-        from engram_ray.vllm.tiny_checkpoint import write_tiny_model
+        from engram_ray.vllm.tiny_checkpoint import TinyModelSpec, write_tiny_model
 
         if os.path.exists(os.path.join(self.model_dir, "config.json")):
             log(f"tiny model: {self.model_dir} (exists)")
             return
-        write_tiny_model(self.model_dir)
+        write_tiny_model(self.model_dir, TinyModelSpec(num_experts=self.options.num_experts))
         log(f"tiny model: wrote {self.model_dir}")
 
     def start(self) -> None:

@@ -43,7 +43,8 @@ def replica_actors(group_id: str) -> list:
 
     return [ray.get_actor(a["name"], namespace=a["namespace"])
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if "EngramLLMServer" in a["name"] and a["name"].split("#")[1].endswith(
+            if ("EngramLLMServer" in a["name"] or "EngramDPServer" in a["name"])
+            and a["name"].split("#")[1].endswith(
                 f":{group_id}")]
 
 
@@ -139,14 +140,18 @@ def wait_serving(deployment_name: str, group_id: str, other_than: str | None,
 
 
 def wait_member_back(deployment_name: str, group_id: str, num_restarts: int,
-                     timeout_s: float) -> dict:
+                     timeout_s: float, dp_size: int = 1) -> dict:
     """The coordinator's record of `group_id`'s next engine restart in place, once it is
-    ready again."""
+    ready again: of its whole data-parallel gang when `dp_size` > 1 (the first `since`, the
+    last `ready_at`, the ranks)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = group_status(deployment_name, group_id)
-        if len(status["restarts"]) > num_restarts:
-            return status["restarts"][num_restarts]
+        if len(status["restarts"]) >= num_restarts + dp_size:
+            records = status["restarts"][num_restarts:num_restarts + dp_size]
+            return {**records[0], "since": min(r["since"] for r in records),
+                    "ready_at": max(r["ready_at"] for r in records),
+                    "ranks": sorted(r["rank"] for r in records)}
         if status["broken"]:
             raise RuntimeError(f"{group_id}: the restart in place failed: {status['broken']}")
         time.sleep(0.5)
@@ -173,7 +178,7 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
 
     from engram_ray.actors.coordinator_lookup import find_coordinator
 
-    name = deployment.config.deployment.name
+    name, dp_size = deployment.config.deployment.name, deployment.config.serving.data_parallel_size
     table = routing(name)
     old = table[group_id]["generation"]
     num_restarts = len(group_status(name, group_id)["restarts"])
@@ -187,10 +192,11 @@ def kill_under_load(deployment, traffic: Traffic, kind: str, group_id: str,
         new, recovery = routing(name)[group_id]["generation"], {"detection_s": 0.0}
     elif kind in ENGINE_KINDS:
         kill(kind, group_id)
-        restart = wait_member_back(name, group_id, num_restarts, recovery_timeout_s)
+        restart = wait_member_back(name, group_id, num_restarts, recovery_timeout_s, dp_size)
         new, back_at = old, killed_at + restart["ready_at"] - killed_wall
         recovery = {"detection_s": _span(killed_wall, restart["since"]),
-                    "engine_restart_s": _span(restart["since"], restart["ready_at"])}
+                    "engine_restart_s": _span(restart["since"], restart["ready_at"]),
+                    "ranks": restart.get("ranks", [restart["rank"]])}
     else:
         kill(kind, group_id)
         new = wait_serving(name, group_id, other_than=old, timeout_s=recovery_timeout_s)

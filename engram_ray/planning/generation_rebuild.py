@@ -19,7 +19,8 @@ class RebuildMixin:
     def rejoin(self, member: dict) -> bool:
         """Rebuild member `member["replica_id"]` from what it holds: `assignment` (as `join`
         gave it), `node_labels`, `ready_at` (wall time its engine served, or None),
-        `restarting` ({"reason", "since"} or None), `broken` (why it is lost, or None). False
+        `restarting` ({"reason", "since", "epoch"} or None), `dp_epoch` (restarts in place of
+        its data-parallel gang so far), `broken` (why it is lost, or None). False
         when its group has a newer generation or another config (it is being replaced)."""
         a = member["assignment"]
         group = self.groups.get(a["group_id"])
@@ -42,6 +43,9 @@ class RebuildMixin:
             gen.ready_at[rank] = member["ready_at"]
         if member.get("restarting"):
             gen.restarting[rank] = dict(member["restarting"])
+        if member.get("dp_epoch"):  # restarts in place of its DP gang so far: never reused
+            dp_gang = rank // self.dp_size
+            gen.dp_epochs[dp_gang] = max(gen.dp_epochs.get(dp_gang, 0), member["dp_epoch"])
         if member.get("broken") and gen.broken is None:
             gen.broken, gen.broken_at = f"member {rank}: {member['broken']}", time.time()
         return True

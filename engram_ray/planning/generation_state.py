@@ -17,7 +17,8 @@ class Generation:
     ready_at: dict = field(default_factory=dict)   # rank -> wall time its engine served
     broken: str | None = None                      # why it stopped serving, for good
     broken_at: float | None = None
-    restarting: dict = field(default_factory=dict)  # rank -> {"reason", "since"}
+    restarting: dict = field(default_factory=dict)  # rank -> {"reason", "since", "epoch"}
+    dp_epochs: dict = field(default_factory=dict)   # DP gang index -> restarts in place so far
     restarts: list = field(default_factory=list)    # {"rank", "reason", "since", "ready_at"}
     # A gang that took over beside its predecessor (a rolling change) serves once Serve runs
     # every member (its start returned; `running`): until then Serve still routes to the old.

@@ -49,8 +49,10 @@ class GroupMismatchError(EngramRayError):
 
 
 class GenerationBook(RolloutMixin, RebuildMixin):
-    def __init__(self, config: DeploymentConfig, layout: EngramLayout, domains: dict[str, str]):
+    def __init__(self, config: DeploymentConfig, layout: EngramLayout, domains: dict[str, str],
+                 dp_size: int = 1):
         self.config, self.layout = config, layout
+        self.dp_size = dp_size  # engines per data-parallel gang (serving.data_parallel_size)
         self.groups = {gid: GroupRecord(gid, domain) for gid, domain in domains.items()}
 
     def join(self, group_id: str, gang_id: str, rank: int, world_size: int, replica_id: str,
@@ -152,17 +154,53 @@ class GenerationBook(RolloutMixin, RebuildMixin):
                 return group.group_id, rank
         return None
 
-    def member_restarting(self, replica_id: str, reason: str) -> bool:
-        """Member `replica_id`'s engine died and restarts inside its replica, in the same
-        generation: no requests for it until it is ready again. False when no serving
-        generation holds it (the group is broken already)."""
+    def member_restarting(self, replica_id: str, reason: str) -> int | None:
+        """Member `replica_id`'s engine restarts inside its replica, in the same generation
+        (its engine died, or a roll restarts it): no requests for it until it is ready again.
+        With `dp_size` > 1 the unit is the member's data-parallel gang (its engines form one
+        vLLM DP group, which cannot lose a rank): every member of that gang restarts with it.
+        The restart's number in that gang (1, 2, ...; one restart under way is answered with
+        its number to every member that asks), or None when no serving generation holds the
+        member (the group is broken already)."""
         member = self.find_member(replica_id)
         gen = self.groups[member[0]].current if member else None
         rank = gen.rank_of(replica_id) if gen else None
         if rank is None or gen.broken is not None or rank not in gen.ready_at:
-            return False  # not a current member (one starting beside it restarts its gang)
-        gen.restarting.setdefault(rank, {"reason": reason, "since": time.time()})
-        return True
+            return None  # not a current member (one starting beside it restarts its gang)
+        if rank in gen.restarting:
+            return gen.restarting[rank].get("epoch", 1)
+        dp_gang = rank // self.dp_size
+        epoch = gen.dp_epochs[dp_gang] = gen.dp_epochs.get(dp_gang, 0) + 1
+        for peer in self.dp_ranks(rank):
+            why = reason if peer == rank else f"member {rank} of its data-parallel gang: {reason}"
+            gen.restarting.setdefault(peer, {"reason": why, "since": time.time(),
+                                             "epoch": epoch})
+        return epoch
+
+    def dp_ranks(self, rank: int) -> range:
+        """The ranks of member `rank`'s data-parallel gang (DP rank d is rank first + d)."""
+        first = rank - rank % self.dp_size
+        return range(first, first + self.dp_size)
+
+    def dp_peers(self, replica_id: str) -> list[str]:
+        """Replica ids of the other members of `replica_id`'s data-parallel gang."""
+        member = self.find_member(replica_id)
+        if member is None:
+            return []
+        gen = self.groups[member[0]].current
+        if gen is None or gen.generation != member[1]:
+            return []
+        return [gen.members[r]["replica_id"] for r in self.dp_ranks(member[2])
+                if r != member[2] and r in gen.members]
+
+    def restart_epoch(self, replica_id: str) -> int | None:
+        """The number of the restart in place member `replica_id` is part of now, if any."""
+        member = self.find_member(replica_id)
+        gen = self.groups[member[0]].current if member else None
+        if gen is None or gen.generation != member[1]:
+            return None
+        restart = gen.restarting.get(member[2])
+        return restart.get("epoch", 1) if restart else None
 
     def break_generation(self, group_id: str, generation: str, reason: str) -> bool:
         """Generation `generation` of `group_id` stops serving (first reason kept); False if

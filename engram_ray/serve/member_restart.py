@@ -13,10 +13,17 @@ engine dies (EngineCore or its worker: vLLM's client reports `errored`):
                                     (no checkpoint read, no rendezvous, digests checked)
     coordinator.member_ready        requests again; `engram_engine_restarts` counts it
 
-Only an engine of a one-engine member restarts here. A member whose holder holds nothing
-(a data-parallel gang, FABRIC-only slices) or whose restart fails is reported lost: its
-generation breaks, Serve restarts the whole gang and a new generation starts, as when a
-replica, its GPU or its node is lost.
+A member of a data-parallel gang (`serving.data_parallel_size` > 1: its engines form one
+vLLM DP group, which cannot lose a rank) restarts with its gang: the coordinator marks every
+member of the gang restarting (`member_restarting` returns the restart's number), the others
+learn it at their next `member_check` and stop their engines too, and the gang's engines
+form a new DP group on a fresh master port (`_meet_dp_gang`). The group's other DP gangs
+serve throughout.
+
+A member whose holder holds nothing (FABRIC-only slices) or whose restart fails or does not
+serve within `serving.rollout.in_place_timeout_s` is reported lost: its generation breaks,
+Serve restarts the whole gang and a new generation starts, as when a replica, its GPU or its
+node is lost.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ class MemberRestartMixin:
     _failed_checks = 0  # health checks failed in a row while the engine lives (replica.py)
     _restart_reason: str | None = None  # why its engine restarts now (None: it does not)
     _restart_since: float | None = None
+    _dp_epoch = 0  # restarts in place of its data-parallel gang so far (`member_restarting`)
 
     def _note_restarting(self, reason: str | None) -> None:
         self._restart_reason, self._restart_since = reason, time.time()
@@ -106,24 +114,44 @@ class MemberRestartMixin:
         self._segments_recorded_at = time.monotonic()
 
     async def _on_engine_death(self) -> None:
-        """The engine died while serving: restart it in place, or report the member lost (its
-        health checks fail from then on, so Serve restarts the gang)."""
+        """The engine died while serving: restart it in place (with its data-parallel gang),
+        or report the member lost (its health checks fail from then on, so Serve restarts
+        the gang)."""
         roll = getattr(self, "_roll_task", None)
-        if roll is not None and not roll.done():
-            return  # the engine died while a roll drains it: the roll restarts it anyway
+        if self._restarting or (roll is not None and not roll.done()):
+            return  # a roll or its DP gang's restart stopped it: that restart goes on
         death = self._engine_death("while serving")
-        reason = death.line() if death is not None else "engine died"
+        await self._restart_in_place(death.line() if death is not None else "engine died")
+
+    def _on_gang_restart(self, epoch: int) -> None:
+        """`member_check` said this member's data-parallel gang restarts in place (restart
+        `epoch`: another member's engine died): its own engine, alive or not, restarts too."""
+        roll = getattr(self, "_roll_task", None)
+        if epoch <= self._dp_epoch or self._restarting or self._restart_error is not None \
+                or (roll is not None and not roll.done()):
+            return
+        self._restarting = True  # from now: its death watch leaves the engine to this restart
+        self._stop_watching_engine()
+        self._gang_restart_task = asyncio.get_running_loop().create_task(
+            self._restart_in_place(f"its data-parallel gang restarts (restart {epoch})", epoch))
+
+    async def _restart_in_place(self, reason: str, epoch: int | None = None) -> None:
+        """Restart the engine in its generation (`epoch`: the restart's number, when the
+        coordinator gave it already), or lose the member."""
         self._restarting = True  # health checks pass while this decides and restarts
         try:
-            if not await self._may_restart(reason):
-                await self._lose(reason)
-                return
+            if epoch is None:
+                epoch = await self._may_restart(reason)
+                if not epoch:  # None (or False from a coordinator of an older release)
+                    await self._lose(reason)
+                    return
+            self._dp_epoch = epoch
             started, a = time.monotonic(), self._assignment
             self._note_restarting(reason)
             self.engram_metrics.set_group(a["generation_index"], False)
             deadline_s = self._app.serving.rollout.in_place_timeout_s
             try:  # a restart that hangs is given up: the member is lost, the gang restarts
-                phases = await asyncio.wait_for(self._restart_engine(), deadline_s)
+                phases = await asyncio.wait_for(self._restart_engine(str(epoch)), deadline_s)
             except asyncio.CancelledError:  # the replica is shutting down
                 raise
             except BaseException as exc:  # noqa: BLE001 - the member is lost; Serve takes over
@@ -144,16 +172,17 @@ class MemberRestartMixin:
                        ", ".join(f"{name} {s:.1f} s" for name, s in phases.items()))
         self._engine_watch_task = asyncio.get_running_loop().create_task(self._watch_engine())
 
-    async def _may_restart(self, reason: str) -> bool:
-        """True when this member can re-attach its slices and the coordinator lets it restart
-        inside its generation (not when the generation broke meanwhile)."""
+    async def _may_restart(self, reason: str) -> int | None:
+        """The restart's number when this member can re-attach its slices and the
+        coordinator lets it restart inside its generation (not when the generation broke
+        meanwhile); None otherwise."""
         if not self.can_restart_in_place():
-            return False
+            return None
         try:
             return await self._coordinator.member_restarting.remote(self._replica_id, reason)
         except Exception as exc:  # noqa: BLE001 - no coordinator: no restart in place
             logger.error("engram-ray: the coordinator could not be told of the restart: %s", exc)
-            return False
+            return None
 
     async def _lose(self, reason: str) -> None:
         """This member is lost: its health checks fail with `reason` from now on (Serve
@@ -162,8 +191,10 @@ class MemberRestartMixin:
         logger.error("engram-ray: %s", reason)
         await self._report_broken(reason)
 
-    async def _restart_engine(self) -> dict[str, float]:
-        """Stop the dead engine and start a new one; seconds per step."""
+    async def _restart_engine(self, dp_round: str = "") -> dict[str, float]:
+        """Stop the engine (dead or not) and start a new one; seconds per step. A member of a
+        data-parallel gang meets its gang's other members for a new DP group first
+        (`dp_round` names this restart: every member of the gang passes the same)."""
         from engram_ray.serve.engine_death import EngineWatch
         from engram_ray.serve.engine_shm import recording_segments
 
@@ -176,6 +207,7 @@ class MemberRestartMixin:
 
         await self._stop_engine()
         step("reap")
+        await self._meet_dp_gang(dp_round)
         self._declare_held_slices()
         watch = self._engine_watch
         self._engine_watch = EngineWatch(watch.engine, watch.replica_id, watch.folder)
@@ -192,7 +224,26 @@ class MemberRestartMixin:
                 await self._stop_engine()
                 raise
         step("serving")
+        if getattr(self, "dp_size", 1) > 1 and self.dp_rank == 0:
+            from engram_ray.serve.dp_gang import forget_dp_round
+            # Every rank has read them: the gang's DP group formed.
+            await asyncio.to_thread(forget_dp_round, f"{self.gang_id}@{dp_round}",
+                                    self.dp_size)
         return phases
+
+    async def _meet_dp_gang(self, dp_round: str) -> None:
+        """A data-parallel gang's engines form a new vLLM DP group at every restart in
+        place: DP rank 0 registers a fresh master address and port under the gang's id and
+        `dp_round` (Ray Serve LLM's `GangMasterInfoRegistry`, as at the first start), the
+        other ranks wait for it."""
+        if getattr(self, "dp_size", 1) == 1:
+            return
+        from engram_ray.serve.dp_gang import meet_dp_master
+
+        address, port = await meet_dp_master(f"{self.gang_id}@{dp_round}", self.dp_rank,
+                                              self._app.serving.rollout.in_place_timeout_s)
+        self._own_kwargs.update(data_parallel_address=address, data_parallel_rpc_port=port)
+        self._set_engine_kwargs(self._app)
 
     def _declare_held_slices(self) -> None:
         """The new engine loads through `engram_held`, which tells vLLM's memory check what

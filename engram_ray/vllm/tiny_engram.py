@@ -65,6 +65,13 @@ class EngramTinyModel(nn.Module):
         self.layers = nn.ModuleList([
             LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)])
+        num_experts = getattr(config, "num_local_experts", 0)
+        for i, layer in enumerate(self.layers if num_experts else []):
+            # vLLM's own MoE block in place of the dense MLP (same call: hidden -> hidden).
+            from vllm.model_executor.models.mixtral import MixtralMoE
+
+            layer.mlp = MixtralMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
+                                   config.intermediate_size, prefix=f"{prefix}.layers.{i}.mlp")
         for layer_id in self.layout.layer_ids:
             # Named like the checkpoint: model.layers.<id>.engram.*
             self.layers[layer_id].engram = TinyEngram(
@@ -150,12 +157,20 @@ class EngramTinyForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint names are vLLM parameter names; Engram tables go to `tables`."""
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
         params = dict(self.named_parameters())
         loaded = set()
         for name, weight in weights:
             if ".engram.embed." in name:
                 self.model.tables.load_checkpoint_tensor(name, weight)
                 loaded.add(name)
+                continue
+            if ".mlp.experts." in name or ".mlp.gate." in name:  # MixtralMoE loads its own
+                block, _, rest = name.partition(".mlp.")
+                mlp = self.get_submodule(f"{block}.mlp")
+                loaded |= {f"{block}.mlp.{n}" for n in
+                           AutoWeightsLoader(mlp).load_weights([(rest, weight)])}
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in "

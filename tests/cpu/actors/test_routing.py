@@ -96,6 +96,44 @@ def test_removing_the_stores_takes_the_death_records_and_a_late_record_stays_out
     assert not folder.parent.exists()
 
 
+def test_a_data_parallel_gang_restarts_whole_while_the_groups_other_gang_serves(tmp_path):
+    """DEP2 in a group of 4: an engine's death restarts its DP gang (ranks 2 and 3) under
+    one restart number; the other gang serves; numbers go on, also across a rebuild."""
+    from engram_ray.serve.config import ServeAppConfig
+
+    raw = _raw(tmp_path, "dp")
+    raw["deployment"]["peer_group_size"], raw["serving"]["data_parallel_size"] = 4, 2
+    config = ServeAppConfig.from_dict(raw, "test")
+    book = GenerationBook(config.deployment, load_layout(config.deployment.model),
+                          {"group-0": "a"}, config.serving.data_parallel_size)
+    gen = [book.join("group-0", "g", r, 4, f"m{r}") for r in range(4)][0]["generation"]
+    for r in range(4):
+        book.member_ready(f"m{r}")
+    assert book.member_restarting("m3", "engine core exited with SIGKILL") == 1
+    route = book.routing()["group-0"]
+    assert route["serving"] and route["serving_members"] == ["m0", "m1"]
+    assert route["restarting_ranks"] == [2, 3]
+    assert (book.restart_epoch("m2"), book.restart_epoch("m0")) == (1, None)
+    assert book.member_restarting("m2", "engine died") == 1  # the same restart, not another
+    assert "member 3 of its data-parallel gang" in book.status()["group-0"]["restarting"][2][
+        "reason"]
+    assert book.dp_peers("m2") == ["m3"] and book.dp_peers("m0") == ["m1"]
+    book.member_ready("m3"), book.member_ready("m2")
+    status = book.status()["group-0"]
+    assert status["generation"] == gen and status["restarting"] == {}
+    assert [(r["rank"], r["epoch"]) for r in status["restarts"]] == [(3, 1), (2, 1)]
+    assert book.member_restarting("m0", "engine died") == 1  # gang 0's first
+    assert book.member_restarting("m2", "engine died") == 2  # gang 1's second
+    rebuilt = GenerationBook(config.deployment, load_layout(config.deployment.model),
+                             {"group-0": "a"}, 2)
+    a = book._assignment(book.groups["group-0"], book.groups["group-0"].current, 2)
+    assert rebuilt.rejoin({"replica_id": "m2", "assignment": a, "ready_at": 1.0,
+                           "dp_epoch": 2})
+    rebuilt.rejoin({"replica_id": "m3", "assignment": {**a, "member_rank": 3},
+                    "ready_at": 1.0, "dp_epoch": 2})
+    assert rebuilt.member_restarting("m3", "engine died") == 3  # never a number used before
+
+
 def test_a_member_restarting_its_engine_keeps_its_group_and_generation(tmp_path):
     book = _book(tmp_path)
     gen = book.join("group-0", "g", 0, 2, "a")["generation"]

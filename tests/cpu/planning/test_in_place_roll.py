@@ -54,3 +54,17 @@ def test_a_member_gone_with_its_turn_frees_its_group():
     roll.forget("a0")                                 # its replica left (gang restarted)
     assert roll.next_turn("a1", "g0", True, 1)
     assert roll.progress(["a1"])["members"] == 1
+
+
+def test_a_data_parallel_gang_takes_its_turn_together():
+    roll = InPlaceRoll("v1")
+    for r in ("a", "b", "c", "d"):
+        roll.running(r, "v1")
+    roll.set_target("v2")
+    assert roll.next_turn("a", "group-0", True, 1)
+    roll.join_turn("b", "group-0")  # a's DP peer: same turn, same group
+    assert roll.next_turn("b", "group-0", True, 1)  # asked: still its turn
+    assert not roll.next_turn("c", "group-0", True, 1)  # the group's other gang waits
+    roll.running("a", "v2"), roll.running("b", "v2")
+    assert roll.next_turn("c", "group-0", True, 1)
+    assert [r["replica_id"] for r in roll.progress("abcd")["restarted"]] == ["a", "b"]

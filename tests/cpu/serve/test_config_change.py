@@ -1,7 +1,7 @@
 """What a `serve deploy` of a changed config changes (`engram_ray.serve.config_change`,
 `rolls_out`): with `serving.rollout.mode: in_place` the engine settings are the front door's
-and roll in place; a change that needs new gangs, or engines of data-parallel gangs, is
-refused naming the settings; a change of the rollout alone touches no group."""
+and roll in place (data-parallel gangs too); a change that needs new gangs is refused naming
+the settings; a change of the rollout alone touches no group."""
 
 import copy
 
@@ -63,13 +63,13 @@ def test_in_place_refuses_a_change_that_needs_new_gangs_naming_it():
     assert rolls_out(OLD, new, "d")
 
 
-def test_in_place_refuses_engine_settings_of_data_parallel_gangs():
+def test_engine_settings_of_data_parallel_gangs_roll_in_place():
+    """DEP2 (every shipped GPU config): a DP gang's engines restart in place together."""
     old = _with(data_parallel_size=2)
     new = copy.deepcopy(old)
     new["serving"]["max_model_len"] = 1024
-    with pytest.raises(EngramRayError, match=r"data_parallel_size 2.*serving.max_model_len "
-                                             r"cannot roll in place"):
-        rolls_out(old, new, "d")
+    assert rolls_out(old, new, "d") is True
+    assert group_settings(old, "in_place") == group_settings(new, "in_place")
 
 
 def test_the_rows_never_roll():

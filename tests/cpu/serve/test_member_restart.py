@@ -53,8 +53,11 @@ class _Member(MemberRestartMixin):
     async def _report_broken(self, reason):
         self.reported.append(reason)
 
-    async def _restart_engine(self):
-        self.restarted = True
+    def _stop_watching_engine(self):
+        self.watch_stopped = True
+
+    async def _restart_engine(self, dp_round=""):
+        self.restarted, self.dp_round = True, dp_round
         if self.hangs:
             await asyncio.sleep(3600)
         raise RuntimeError("not in this test")
@@ -63,8 +66,9 @@ class _Member(MemberRestartMixin):
 @pytest.mark.parametrize("restarting, holds_slices", [
     (False, True),                        # the generation broke meanwhile
     (ConnectionError("gone"), True),      # no coordinator
-    (True, False),                        # nothing held (DP gang, FABRIC-only)
-], ids=["refused", "coordinator unreachable", "no slices held"])
+    (None, True),                         # the same, from this release's coordinator
+    (1, False),                           # nothing held (FABRIC-only slices)
+], ids=["refused", "coordinator unreachable", "refused (None)", "no slices held"])
 def test_a_member_that_may_not_restart_is_lost_and_fails_its_health_checks(restarting,
                                                                            holds_slices):
     member = _Member(restarting, holds_slices)
@@ -161,3 +165,28 @@ def test_failures_in_a_row_that_make_serve_restart_the_replica_break_the_generat
     assert not any(_run_checks(replica, FAILED_CHECKS_TO_RESTART))
     assert replica.reported == [f"health check failed {FAILED_CHECKS_TO_RESTART} time(s) in a "
                                 "row (TimeoutError)"]
+
+
+def test_a_member_whose_dp_gang_restarts_stops_its_live_engine_and_restarts_with_the_gang():
+    """Another engine of its data-parallel gang died (`member_check` answers the restart's
+    number): this member's engine, alive, is stopped and restarted under that number, without
+    asking the coordinator again; the same number again, or its own engine's death meanwhile,
+    starts nothing more."""
+    member = _Member(2)
+    member._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 2,
+                          "generation": "local-group-0.1"}
+    member.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
+
+    async def run():
+        member._on_gang_restart(1)
+        assert member._restarting and member.watch_stopped
+        member._on_gang_restart(1)  # asked again before it finished: nothing more
+        await member._on_engine_death()  # its engine dies as the gang's stops: left to it
+        await member._gang_restart_task
+    asyncio.run(run())
+    assert member.restarted and member.dp_round == "1" and member._dp_epoch == 1
+    assert member._coordinator.member_restarting.calls == []
+    assert member._restart_error.endswith("RuntimeError: not in this test")  # the fake's
+    member._restart_error, member.restarted = None, False
+    member._on_gang_restart(1)  # a number it has restarted under already
+    assert not member.restarted and not member._restarting
