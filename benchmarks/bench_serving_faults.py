@@ -1,14 +1,17 @@
 """Faults under load on the local deployment, measured from the clients' side (issue 20).
 
-    bash scripts/in_netns.sh python3 benchmarks/bench_serving_faults.py [--layout 2x1|1x2]
+    bash scripts/in_netns.sh python3 benchmarks/bench_serving_faults.py [--layout 2x1|1x2|1x4dp2]
 
 Starts the local deployment (`engram_ray.local.deployment`, two CPU engines: `2x1` = two peer
-groups of one engine, `1x2` = one group of two), runs steady traffic (`--concurrency` clients,
+groups of one engine, `1x2` = one group of two; `1x4dp2` = one group of four engines as two
+data-parallel gangs of two, DEP2 as the shipped GPU configs, the tiny model with 4 experts per
+MLP), runs steady traffic (`--concurrency` clients,
 streamed and not, completions and chat; a request counts as served only if its client saw
 finish_reason and [DONE]), then kills (kill -9), each once the last is over: group-0's
 EngineCore and, in turn, its worker (the member's engine restarts in place, same generation,
-slices re-attached), then a Serve replica (of the other group with 2x1: its gang restarts in a
-new generation); then sends the malformed-request table (`engram_ray.local.probes`). Writes
+slices re-attached; with `1x4dp2` the member's whole DP gang restarts in place while the
+other gang serves), then a Serve replica (of the other group with 2x1: its gang restarts in a
+new generation; not with `1x4dp2`); then sends the malformed-request table (`engram_ray.local.probes`). Writes
 `benchmarks/results/serving_faults/latest.md` and a line of its `history.jsonl` (`--results
 DIR` elsewhere; `--append` adds this layout's table to latest.md instead of replacing it): per
 kill `requests`, `lost_silently`, `failed_visibly`, `running_at_kill_failed`, `window_*`
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import add_results_argument, environment, now, write_results  # noqa: E402
 
-LAYOUTS = {"2x1": (2, 1), "1x2": (1, 2)}
+LAYOUTS = {"2x1": (2, 1, 1), "1x2": (1, 2, 1), "1x4dp2": (1, 4, 2)}  # groups, size, DP
 
 
 def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int) -> dict:
@@ -38,11 +41,12 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
     from engram_ray.local.loadgen import LOST, Traffic
     from engram_ray.local.probes import probe_summary, run_probes
 
-    num_groups, size = LAYOUTS[layout]
+    num_groups, size, dp_size = LAYOUTS[layout]
     env = environment()  # the code this run imports, whatever lands while it runs
     deployment = LocalDeployment(LocalOptions(workdir=workdir, port=port, name="faults",
                                               num_peer_groups=num_groups,
-                                              peer_group_size=size))
+                                              peer_group_size=size, data_parallel_size=dp_size,
+                                              num_experts=4 if dp_size > 1 else 0))
     try:
         deployment.start()
         startup_s = deployment.wait_ready()
@@ -52,8 +56,10 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
         before = list(traffic.results)
         reference = reference_answers(before)
         victims = ["group-0", "group-0", "group-1" if num_groups > 1 else "group-0"]
+        kinds = ("engine_core", "worker") if dp_size > 1 else ("engine_core", "worker",
+                                                               "replica")
         kills = []
-        for kind, group in zip(("engine_core", "worker", "replica"), victims):
+        for kind, group in zip(kinds, victims):
             log(f"killing {kind} of {group} under load")
             kills.append(kill_under_load(deployment, traffic, kind, group,
                                          reference=reference))
@@ -64,7 +70,7 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
         deployment.stop()
     return {"date": now(), "commit": env["commit"], "worktree_clean": env["worktree_clean"],
             "device": env["device"], "layout": layout,
-            "num_peer_groups": num_groups, "peer_group_size": size,
+            "num_peer_groups": num_groups, "peer_group_size": size, "data_parallel_size": dp_size,
             "concurrency": concurrency, "max_tokens": max_tokens,
             "startup_s": round(startup_s, 1), "kills": kills,
             "answers_before": sum(r.ok for r in before),
@@ -75,12 +81,21 @@ def run(layout: str, concurrency: int, max_tokens: int, workdir: str, port: int)
             **probe_summary(probes)}
 
 
+def dp_text(result: dict) -> str:
+    dp_size = result.get("data_parallel_size", 1)
+    if dp_size == 1:
+        return ""
+    return (f" as {result['peer_group_size'] // dp_size} vLLM data-parallel gangs of "
+            f"{dp_size} (4 experts per MLP; an engine kill restarts its whole DP gang)")
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Faults under load, local deployment ({result['date']}, commit "
              f"{result['commit']})", "",
              f"Device: {result['device']}. Layout {result['layout']}: "
              f"{result['num_peer_groups']} peer group(s) of {result['peer_group_size']} CPU "
-             f"engine(s) (tiny Engram model, shm tables), Ray Serve LLM ingress, loopback only. "
+             f"engine(s){dp_text(result)} (tiny Engram model, shm tables), Ray Serve LLM "
+             "ingress, loopback only. "
              f"Traffic: {result['concurrency']} clients back to back, streamed and not, "
              f"completions and chat, {result['max_tokens']} tokens; a request is served only "
              "if its client saw finish_reason and [DONE].", "",

@@ -37,9 +37,10 @@ ROUTING_POLL_S = 10.0      # long-poll timeout of the coordinator's routing tabl
 # is tried again or the error stands.
 BROKEN_WAIT_S = 1.0
 MAX_ATTEMPTS = 4           # tries of one request (each after the routing changed)
-# A group this ingress saw fail is skipped this long unless the coordinator reports a new
-# generation sooner; after that the coordinator's word (it finds a dead member within a
-# second) decides, so a transient error cannot take a healthy group out for good.
+# A group this ingress saw fail is skipped this long unless the coordinator's routing changes
+# sooner (a new generation, or a member restarting while the others serve); after that the
+# coordinator's word (it finds a dead member within a second) decides, so a transient error
+# cannot take a healthy group out for good.
 LOST_HINT_S = 10.0
 # The failures of a group (not of a request): the replica or its engine is gone.
 GROUP_FAILURES = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
@@ -139,8 +140,12 @@ class GroupRouting:
                 else r["reason"] for g, r in table.items()})
         self.table = table
         _live_replicas = {m for r in table.values() if r["serving"] for m in r["serving_members"]}
+        # A group this ingress saw fail stays skipped until the coordinator speaks again: a
+        # changed table that still has it serving (a member restarting, its other members
+        # serve) is the coordinator's word on that failure.
         self.lost = {(g, gen): at for (g, gen), at in self.lost.items()
-                     if table.get(g, {}).get("generation") == gen}
+                     if table.get(g, {}).get("generation") == gen
+                     and not (changed and table[g].get("serving"))}
         if changed:
             self.version += 1
             self._updated.set()

@@ -45,13 +45,30 @@ class EngineProcesses:
 
         from engram_ray.serve.engine_death import engine_core_processes
 
-        self.procs = []
+        self.procs, self.vital = [], []
         for proc in engine_core_processes(engine_client):
             try:
                 core = psutil.Process(proc.pid)
-                self.procs += [core, *core.children(recursive=True)]
+                children = core.children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
+            self.procs += [core, *children]
+            self.vital += [core, *(c for c in children if _is_worker(c))]
+
+    def any_exited(self) -> bool:
+        """Whether the EngineCore or one of its workers has exited (gone, or a zombie not
+        yet reaped). vLLM's client learns of a worker's death only once its EngineCore acts
+        on it; the replica's watch looks here too, so that its member is routed around at
+        once (requests still sent to it would fail)."""
+        import psutil
+
+        for proc in self.vital:
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+        return False
 
     def kill(self) -> list[int]:
         """SIGKILL every one still alive and wait for them; the pids of those that would not
@@ -66,6 +83,16 @@ class EngineProcesses:
                 pass
         _, stuck = psutil.wait_procs(alive, timeout=KILL_WAIT_S)
         return [p.pid for p in stuck]
+
+
+def _is_worker(proc) -> bool:
+    """A vLLM worker process (`VLLM::Worker...`), not a helper that may end on its own."""
+    import psutil
+
+    try:
+        return "Worker" in proc.name() or "Worker" in " ".join(proc.cmdline()[:1])
+    except psutil.Error:
+        return False
 
 
 def end_engine(client, processes: EngineProcesses | None, owner: str | None = None) -> list[int]:

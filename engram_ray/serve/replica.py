@@ -199,12 +199,14 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
 
     async def _watch_engine(self) -> None:
         """Act on the engine's death the moment vLLM's client knows it (`AsyncLLM.errored`:
-        its engine-core process is gone): restart it in place, or report the member lost so
-        that the ingress stops sending this group requests (`member_restart`)."""
+        its engine-core process is gone) or one of its processes is seen gone (a worker: its
+        EngineCore may take seconds to give up): restart it in place, or report the member
+        lost so that the ingress stops sending this group requests (`member_restart`)."""
         client = getattr(getattr(self, "engine", None), "_engine_client", None)
         if client is None or not hasattr(client, "errored"):
             return
-        while not client.errored:
+        processes = getattr(self, "_engine_processes", None)
+        while not client.errored and not (processes is not None and processes.any_exited()):
             await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
         await self._on_engine_death()
 

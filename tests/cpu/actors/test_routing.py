@@ -287,6 +287,22 @@ def test_a_failure_seen_only_by_the_ingress_expires(monkeypatch):
     assert routing.is_serving("group-0")
 
 
+def test_a_failure_the_coordinator_answers_with_a_member_restarting_clears_at_once():
+    """One group of two engines, one engine dies: the ingress saw a request fail there and
+    skipped the group; the coordinator's next table (the member restarting, the other serving)
+    is its word on it: the group takes requests again, not a 503 until the hint expires."""
+    routing = GroupRouting("unused")
+    routing._update({"group-0": _route("g.1", members=("m0", "m1"))})
+    routing.mark_lost("group-0", "g.1")
+    routing._update({"group-0": _route("g.1", members=("m0", "m1"))}, changed=False)
+    assert not routing.is_serving("group-0")  # a long poll that timed out says nothing
+    routing._update({"group-0": {**_route("g.1", members=("m0",)), "restarting_ranks": [1]}})
+    assert routing.is_serving("group-0")
+    routing.mark_lost("group-0", "g.1")
+    routing._update({"group-0": _route("g.1", serving=False)})
+    assert not routing.is_serving("group-0")
+
+
 def _member_record(assignment: dict, replica_id: str, ready: bool = True) -> dict:
     """What a replica's coordinator link sends a restarted coordinator
     (`engram_ray.serve.coordinator_link`)."""
