@@ -212,6 +212,7 @@ class Coordinator(InPlaceRollMixin):
 
     def _end_rebuild_locked(self) -> None:
         self._rebuild_until = 0.0
+        self.book.end_rebuild()
         stale = self.book.unclaimed_store_dirs()
         for store_dir in stale:
             remove_store_dir(store_dir)
@@ -377,6 +378,7 @@ class Coordinator(InPlaceRollMixin):
                     self._routing_changed_locked()
 
     def status(self) -> dict:
+        self._wait_rebuilt()
         with self._lock:
             return self.book.status()
 

@@ -57,6 +57,7 @@ class InPlaceRollMixin:
 
     def roll_status(self) -> dict:
         """The in-place roll's progress (`InPlaceRoll.progress`) and the mode."""
+        self._wait_rebuilt()
         with self._lock:
             return {"mode": self.config.serving.rollout.mode,
                     **self.roll.progress(self.book.member_ids()),

@@ -25,14 +25,16 @@ def roll_status(deployment_name: str) -> dict:
 
 
 def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float = 3.0,
-                    timeout_s: float = 900.0, reference: dict[bool, str] | None = None) -> dict:
+                    timeout_s: float = 900.0, reference: dict[bool, str] | None = None,
+                    during=None) -> dict:
     """`serve deploy` of `changes` while `traffic` runs, then wait until every member of
     every group runs the new engine settings and serves, and no gang is left starting or
     draining (`serving.rollout.mode` in_place or beside), or until the roll stopped at a
     member (a new engine that would not start). Every request sent meanwhile, how many failed
     (0 is the target), seconds until each group had rolled and until all had (`rolled_s`),
     whether each group kept its generation, the members' restarts, and the answers compared
-    with `reference`."""
+    with `reference`. `during(statuses)`, if given, is called at every poll with each group's
+    coordinator status (a fault injected mid-roll: `coordinator_kill_when_starting`)."""
     name = deployment.config.deployment.name
     before = {g: r["generation"] for g, r in routing(name).items()}
     old_version = roll_status(name)["version"]
@@ -43,6 +45,8 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
     while time.monotonic() < deadline:
         roll, table = roll_status(name), routing(name)
         statuses = {g: group_status(name, g) for g in table}
+        if during is not None:
+            during(statuses)
         if roll["stopped"] is not None and not any(s["restarting"] for s in statuses.values()):
             break  # stopped at a member, which serves again on its old settings
         for group_id, state in table.items():
@@ -65,6 +69,23 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
             "stopped": roll["stopped"], "member_restarts": roll["restarted"],
             "same_generation": {g: table[g]["generation"] == before.get(g) for g in table},
             **_clients_saw(traffic, first, done_at, settle_s, reference)}
+
+
+def coordinator_kill_when_starting(deployment_name: str):
+    """A `during` for `roll_under_load`: kill -9 of the coordinator's process, once, the first
+    time a group has a gang starting beside its serving one (`beside`: the new gang joined);
+    `.killed_at` (time.time()) says when, None if it never was."""
+    import os
+    import signal
+
+    from engram_ray.local.faults import coordinator_pid
+
+    def during(statuses: dict) -> None:
+        if during.killed_at is None and any(s["starting"] for s in statuses.values()):
+            os.kill(coordinator_pid(deployment_name), signal.SIGKILL)
+            during.killed_at = time.time()
+    during.killed_at = None
+    return during
 
 
 def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: float = 3.0,

@@ -20,27 +20,28 @@ class RebuildMixin:
         """Rebuild member `member["replica_id"]` from what it holds: `assignment` (as `join`
         gave it), `node_labels`, `ready_at` (wall time its engine served, or None),
         `restarting` ({"reason", "since", "epoch"} or None), `dp_epoch` (restarts in place of
-        its data-parallel gang so far), `broken` (why it is lost, or None). False
-        when its group has a newer generation or another config (it is being replaced)."""
+        its data-parallel gang so far), `broken` (why it is lost, or None), `role` ("serving",
+        "starting": its start has not returned, "retired": a rolling change replaced its
+        gang). Its generation goes where its role says (`_place`), whatever order the members
+        rejoin in. False when its group has a newer generation or another config (it is
+        being replaced)."""
         a = member["assignment"]
         group = self.groups.get(a["group_id"])
         if group is None or a["size"] != self.config.peer_group_size:
             return False
         gen = next((g for g in group.generations() if g.generation == a["generation"]), None)
         if gen is None:
-            if group.current is not None and group.current.index > a["generation_index"]:
-                return False
             gen = Generation(a["generation_index"], a["generation"], a["gang_id"],
                              a["store_dir"])
-            if group.current is not None and member.get("ready_at") is None:
-                group.next = gen  # a gang that was starting beside the current one
-            else:
-                group.current = gen
+            if not _place(group, gen, member_role(member)):
+                return False
         rank = a["member_rank"]
         gen.members[rank] = {"replica_id": member["replica_id"],
                              "node_labels": dict(member.get("node_labels") or {})}
         if member.get("ready_at") is not None:
             gen.ready_at[rank] = member["ready_at"]
+        if member_role(member) == "serving":
+            gen.running.add(rank)  # its start returned: Serve runs it
         if member.get("restarting"):
             gen.restarting[rank] = dict(member["restarting"])
         if member.get("dp_epoch"):  # restarts in place of its DP gang so far: never reused
@@ -49,6 +50,14 @@ class RebuildMixin:
         if member.get("broken") and gen.broken is None:
             gen.broken, gen.broken_at = f"member {rank}: {member['broken']}", time.time()
         return True
+
+    def end_rebuild(self) -> None:
+        """Every member that will rejoin has: a gang current beside an older retired one had
+        taken over before the restart (it serves once Serve runs every member)."""
+        for group in self.groups.values():
+            gen = group.current
+            if gen is not None and group.retired is not None and gen.index > group.retired.index:
+                gen.took_over, gen.took_over_at = True, time.time()
 
     def is_complete(self) -> bool:
         """Every group has a current generation with all its members known."""
@@ -65,6 +74,47 @@ class RebuildMixin:
             found += [os.path.join(root, name) for name in _listdir(root)
                       if os.path.join(root, name) not in owned]
         return sorted(found)
+
+
+def member_role(member: dict) -> str:
+    """A rejoining member's role; members of an older release send none: serving once
+    ready."""
+    return member.get("role") or ("serving" if member.get("ready_at") is not None
+                                  else "starting")
+
+
+def _place(group, gen: Generation, role: str) -> bool:
+    """Put a rebuilt generation where its member's `role` says, whatever order the members
+    rejoin in: a serving gang is `current` (one rebuilt earlier from a starting gang's
+    member moves to `next`), a starting gang is `next` beside a current one (or `current`
+    alone: a first start, or a gang that took over from a `retired` one), a retired gang is
+    `retired`. False when a newer generation holds the place (this gang is being
+    replaced)."""
+    gen.rebuilt_as = role
+    if role == "retired":
+        if group.retired is not None and group.retired.index > gen.index:
+            return False
+        group.retired = gen
+        return True
+    current = group.current
+    if current is None:
+        group.current = gen
+        return True
+    if role == "serving":
+        if current.rebuilt_as == "starting" and current.index > gen.index:
+            group.next, group.current = current, gen  # the starting gang rejoined first
+            return True
+        # Two serving gangs: the coordinator died as the newer took over, before the older
+        # heard it was retired. The newer serves; the older drains.
+        older, newer = sorted((current, gen), key=lambda g: g.index)
+        if group.retired is not None:
+            return False
+        group.current, group.retired = newer, older
+        return True
+    if current.index < gen.index and group.next is None:
+        group.next = gen
+        return True
+    return False
 
 
 def _listdir(path: str) -> list[str]:

@@ -27,6 +27,7 @@ class Generation:
     running: set = field(default_factory=set)
     retired_at: float | None = None                 # replaced by a rolling change: draining
     in_flight: dict = field(default_factory=dict)   # rank -> requests running (retired)
+    rebuilt_as: str | None = None  # the role it was rebuilt in after a coordinator restart
 
     def is_serving(self, size: int) -> bool:
         return (self.broken is None and len(self.ready_at) == size

@@ -26,6 +26,7 @@ class CoordinatorLinkMixin:
     _in_flight = 0                      # requests this member runs now
     _retired = False                    # its gang was replaced by a rolling change
     _running_told = False               # the coordinator knows Serve runs this member
+    _start_returned = False             # its start returned: Serve runs it
     _lost_reason: str | None = None     # why the member is lost (reported broken)
     _link_task: asyncio.Task | None = None
 
@@ -106,6 +107,8 @@ class CoordinatorLinkMixin:
                 "node_labels": self._replica_labels, "ready_at": self._ready_at,
                 "restarting": restarting, "broken": self._lost_reason,
                 "config_version": self._config_version, "dp_epoch": self._dp_epoch,
+                "role": "retired" if self._retired else "serving" if self._start_returned
+                else "starting",
                 "targets": dict(self._targets), "slot": getattr(self, "_metrics_slot", None),
                 "node_id": self._node_id}
 

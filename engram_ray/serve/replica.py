@@ -106,7 +106,11 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             await self._take_settings()  # the engine settings the coordinator holds now
             app = self._app
             await asyncio.to_thread(release_leftovers)  # what killed replicas left here
+            from engram_ray.private_dirs import private_dir
             from engram_ray.tables.slice_holder import SliceHolder
+            # The coordinator made the generation's folder on its own node: on this node too
+            # (0700, or checked), for the holder's socket and a one-host group's rendezvous.
+            private_dir(a["store_dir"], "peer_group_store generation folder")
             self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
             await self._start_member(a)
             self.engram_metrics.set_group(a["generation_index"], True,
@@ -121,6 +125,7 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
                 self._watch_engine())
             await self._take_over_when_drained(app.serving.rollout.drain_timeout_s
                                                + 2 * app.deployment.rendezvous_timeout_s)
+            self._start_returned = True
         except BaseException as exc:
             logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)
             await self._leave()
@@ -319,6 +324,7 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
         if holder is not None:
             holder.close()
             self._holder = None
+            _remove_if_empty(self._assignment["store_dir"])
         server = getattr(self, "_metrics_server", None)
         if server is not None:
             server.stop()
@@ -336,6 +342,15 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
         finally:  # Serve's own stop leaves the engine running
             end_engine(getattr(getattr(self, "engine", None), "_engine_client", None),
                        getattr(self, "_engine_processes", None))
+
+
+def _remove_if_empty(folder: str) -> None:
+    """A generation's folder on this node, once its last member here left (the coordinator
+    removes the one on its own node whole)."""
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 class EngramLLMServer(EngramServerMixin, LLMServer):

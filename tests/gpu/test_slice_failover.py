@@ -1,11 +1,14 @@
 """Slice holders on the cuda backend (POSIX-FD exports of CUDA VMM slices): the process that
 filled and exported a slice is killed with SIGKILL while another maps and reads it; the reader
 keeps looking up that slice's rows bitwise equal to the reference for 10 s, and a new process
-re-attaches the slice from its holder (this pytest process, which has no CUDA context, like a
-Serve replica) and reads the same bytes. One GPU: both readers map the slice of a group of one;
+re-attaches the slice from its holder (a process with no CUDA context, like a Serve replica:
+a fresh child of this pytest process, so that the check holds whatever tests ran before) and
+reads the same bytes. One GPU: both readers map the slice of a group of one;
 two GPUs: a group of two, its rank 0 killed and restarted while rank 1 reads on.
 """
 
+
+import multiprocessing
 
 import pytest
 import torch
@@ -42,7 +45,31 @@ def _kill_read_restart(tmp_path, size: int) -> list:
     finally:
         for holder in holders:
             holder.close()
-    assert not torch.cuda.is_initialized()  # the holders need no CUDA context
+    return results, torch.cuda.is_initialized()
+
+
+def _holders_child(conn, tmp_path, size: int) -> None:
+    try:
+        conn.send(("ok", *_kill_read_restart(tmp_path, size)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}", None))
+
+
+def _kill_read_restart_without_cuda(tmp_path, size: int) -> list:
+    """`_kill_read_restart` in a fresh process (spawned: no CUDA context inherited, whatever
+    this pytest process initialized); its results, and it asserts that holding the slices
+    never initialized CUDA there."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_holders_child, args=(child, tmp_path, size))
+    proc.start()
+    child.close()
+    try:
+        status, results, cuda_initialized = parent.recv()
+    finally:
+        proc.join(60)
+    assert status == "ok", results
+    assert not cuda_initialized  # the holders need no CUDA context
     return results
 
 
@@ -63,10 +90,10 @@ def _check(results) -> None:
 
 @pytest.mark.gpu
 def test_one_gpu_slice_outlives_its_exporter_and_is_reattached(tmp_path):
-    _check(_kill_read_restart(tmp_path, 1))
+    _check(_kill_read_restart_without_cuda(tmp_path, 1))
 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_two_gpus_member_killed_and_restarted_while_its_peer_reads(tmp_path):
-    _check(_kill_read_restart(tmp_path, 2))
+    _check(_kill_read_restart_without_cuda(tmp_path, 2))

@@ -312,7 +312,7 @@ def _member_record(assignment: dict, replica_id: str, ready: bool = True) -> dic
             "slot": 0, "node_id": f"node-{replica_id}"}
 
 
-def test_a_rebuilt_book_routes_as_before_and_refuses_older_generations(tmp_path):
+def test_a_rebuilt_book_routes_as_before_and_retires_or_refuses_older_generations(tmp_path):
     book = _book(tmp_path)
     a0 = book.join("group-0", "g", 0, 2, "a")
     a1 = book.join("group-0", "g", 1, 2, "b")
@@ -329,11 +329,73 @@ def test_a_rebuilt_book_routes_as_before_and_refuses_older_generations(tmp_path)
     assert rebuilt.rejoin(record)
     assert rebuilt.routing()["group-0"] == before["group-0"]
     assert rebuilt.unclaimed_store_dirs() == [str(stale)]
+    # An older gang still serving (the coordinator died as the newer one took over, before
+    # it heard it was retired) drains; one older still is refused.
     older = dict(a0, generation="older", generation_index=0)
-    assert not rebuilt.rejoin(_member_record(older, "z"))
+    assert rebuilt.rejoin(_member_record(older, "z")) and rebuilt.is_retired("z")
+    assert rebuilt.routing()["group-0"] == before["group-0"]
+    oldest = dict(a0, generation="oldest", generation_index=-1)
+    assert not rebuilt.rejoin(_member_record(oldest, "y"))
     assert not rebuilt.is_complete()  # group-1 has no generation
     # A rebuilt generation goes on as any: its next gang opens generation index + 1.
     assert rebuilt.join("group-0", "g2", 0, 2, "c")["generation_index"] == a0["generation_index"] + 1
+
+
+def _rolling_book(tmp_path, took_over: bool):
+    """A `beside` roll of group-0 under way: gang g1 (a, b) serving, gang g2 (c ready, d
+    starting) beside it; with `took_over`, d ready too: g2 took over, g1 retired."""
+    book = _book(tmp_path)
+    old = [book.join("group-0", "g1", r, 2, m) for r, m in enumerate("ab")]
+    for m in "ab":
+        book.member_ready(m), book.member_running(m)
+    new = [book.join("group-0", "g2", r, 2, m) for r, m in enumerate("cd")]
+    book.member_ready("c")
+    if took_over:
+        book.member_ready("d")
+    return book, old, new
+
+
+@pytest.mark.parametrize("order", ["cadb", "abcd", "dcba"])
+def test_a_coordinator_rebuilt_mid_rollout_keeps_the_serving_gang_and_the_starting_one(
+        tmp_path, order):
+    """Members rejoin in any order with their role: the serving gang stays current, the one
+    starting beside it stays next (neither refused), no folder of either is removed, and the
+    roll goes on: the last new member ready takes over."""
+    book, old, new = _rolling_book(tmp_path, took_over=False)
+    before = book.routing()["group-0"]
+    records = {"a": _member_record(old[0], "a"), "b": _member_record(old[1], "b"),
+               "c": {**_member_record(new[0], "c"), "role": "starting"},
+               "d": {**_member_record(new[1], "d", ready=False), "role": "starting"}}
+    rebuilt = _book(tmp_path)
+    assert all(rebuilt.rejoin(records[m]) for m in order)
+    rebuilt.end_rebuild()
+    assert rebuilt.routing()["group-0"] == before
+    assert rebuilt.status()["group-0"]["starting"] == new[0]["generation"]
+    assert rebuilt.unclaimed_store_dirs() == []
+    rebuilt.member_ready("d")  # the new gang complete: it takes over, the old one drains
+    assert rebuilt.status()["group-0"]["generation"] == new[0]["generation"]
+    assert rebuilt.is_retired("a") and rebuilt.may_take_over("d", 60.0) is False
+
+
+def test_a_coordinator_rebuilt_after_a_takeover_keeps_the_new_gang_current(tmp_path):
+    """The coordinator died after the new gang took over: the old members rejoin retired,
+    the new ones still starting (waiting for the drain): the new gang is current and took
+    over, the old one drains, no folder removed."""
+    book, old, new = _rolling_book(tmp_path, took_over=True)
+    assert book.is_retired("a")
+    rebuilt = _book(tmp_path)
+    for record in [{**_member_record(new[1], "d"), "role": "starting"},
+                   {**_member_record(old[0], "a"), "role": "retired"},
+                   {**_member_record(new[0], "c"), "role": "starting"},
+                   {**_member_record(old[1], "b"), "role": "retired"}]:
+        assert rebuilt.rejoin(record)
+    rebuilt.end_rebuild()
+    status = rebuilt.status()["group-0"]
+    assert (status["generation"], status["retired"]) == (new[0]["generation"],
+                                                         old[0]["generation"])
+    assert rebuilt.unclaimed_store_dirs() == []
+    rebuilt.report_in_flight("a", 0), rebuilt.report_in_flight("b", 0)
+    assert rebuilt.may_take_over("c", 60.0) is True  # drained: the new members end their start
 
 
 def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, tmp_path):

@@ -256,16 +256,27 @@ def test_a_change_of_the_rollout_alone_changes_only_the_front_door(deployment):
     assert routing("faults") == before
 
 
-def test_a_changed_config_rolls_out_beside_with_a_spare_slot_and_every_request_is_answered(
+def test_a_changed_config_rolls_out_beside_through_a_coordinator_kill_and_every_request_is_answered(
         deployment):
     """serve deploy of another engine_kwargs value with serving.rollout.mode beside: each
     group's new gang starts in the spare slot beside the serving one, takes over once ready
-    and the old one drained; not one request fails, every answer is the same."""
+    and the old one drained; the coordinator is killed (kill -9) as the first new gang
+    starts: it rebuilds the serving gang and the starting one from their members, the roll
+    goes on; not one request fails, every answer is the same, one new generation per group."""
+    from engram_ray.local.faults import group_status
+    from engram_ray.local.rollout import coordinator_kill_when_starting
+
+    before = {g: group_status("faults", g)["generation_index"] for g in ("group-0", "group-1")}
+    kill = coordinator_kill_when_starting("faults")
     roll, _ = _under_traffic(deployment, {"serving": {"rollout": {"mode": "beside"},
-                                                      "engine_kwargs": {"max_num_seqs": 64}}})
+                                                      "engine_kwargs": {"max_num_seqs": 64}}},
+                             during=kill)
+    assert kill.killed_at is not None
     assert set(roll["groups_rolled_s"]) == {"group-0", "group-1"}
     assert roll["same_generation"] == {"group-0": False, "group-1": False}  # new gangs
     assert roll["member_restarts"] == []  # none restarted in place
+    assert {g: group_status("faults", g)["generation_index"] for g in before} == {
+        g: index + 1 for g, index in before.items()}  # no extra generation
 
 
 def test_num_peer_groups_up_and_down_adds_and_removes_a_group_and_leaves_the_others(
