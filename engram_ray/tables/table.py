@@ -285,6 +285,9 @@ class EngramTables:
         memory = self.memory
         return {"backend": memory.name if memory else "local",
                 "handle_type": memory.handle_type if memory else None,
+                # how peers' slices are mapped here ("read" where the backend maps them
+                # read-only: the cuda backend's `peer_access`; shm maps them PROT_READ)
+                "peer_access": getattr(memory, "peer_access", "read") if memory else None,
                 "generation": self.settings.generation if self.settings else None,
                 "rank": self.rank, "size": self.size,
                 "rendezvous_seconds": self.rendezvous_seconds,

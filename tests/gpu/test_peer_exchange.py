@@ -2,7 +2,8 @@
 the 0700 store folder), not taken from another process with pidfd_getfd: a group of two on one
 GPU meets through the real rendezvous (cuda backend, POSIX-FD handles), each member maps the
 other's slice from the holder its engine process runs for the rendezvous and looks up rows of
-the whole table bitwise equal to the torch reference; no holder socket is left afterwards.
+the whole table bitwise equal to the torch reference through a read-only mapping of the
+other's slice; no holder socket is left afterwards.
 """
 
 import pytest
@@ -46,4 +47,7 @@ def test_two_members_map_each_others_slices_from_their_holders(tmp_path):
         assert all(result.value["equal"].values()), (result.rank, result.value["equal"])
         assert result.value["stats"]["handle_type"] == "posix_fd"
         assert result.value["stats"]["rendezvous_seconds"] > 0
+        # The other member's slice is mapped read-only for this GPU (cuMemSetAccess
+        # PROT_READ), and every row read through it was bitwise right.
+        assert result.value["stats"]["peer_access"] == "read", result.value["stats"]
     assert not list(store.glob("holder-*.sock"))  # each member's holder closed with the meeting

@@ -70,21 +70,40 @@ class CudaPeerMemory(PeerMemory):
         self._peers: dict[int, dict[int, _Mapping]] = {}
         self._bases: dict[int, torch.Tensor] = {}
         self._chosen = ""
+        self.peer_access = ""  # how this GPU maps peers' slices (`_set_access`)
 
     @property
     def handle_type(self) -> str:
         return self._chosen or "/".join(self.offered)
 
-    def _access_desc(self):
+    def _access_desc(self, writable: bool = True):
         cu = drv.driver()
         desc = cu.CUmemAccessDesc()
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = self.device_idx
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        desc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable
+                      else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)
         return desc
 
-    def _map(self, handle, nbytes: int, alignment: int) -> _Mapping:
-        """Reserve, map and enable access for this GPU; on failure nothing stays held."""
+    def _set_access(self, mapping: _Mapping, writable: bool) -> None:
+        """This GPU's access to `mapping`: read-write for its own slices, read-only for a
+        peer's (a bug or a stranger in this process cannot rewrite another member's rows),
+        read-write where the driver refuses read-only device access (`peer_access` says
+        which it got)."""
+        cu = drv.driver()
+        if not writable:
+            err, = cu.cuMemSetAccess(mapping.address, mapping.nbytes,
+                                     [self._access_desc(False)], 1)
+            if int(err) == 0:
+                self.peer_access = "read"
+                return
+            self.peer_access = f"readwrite (read-only refused: {drv.error_name(err)})"
+        drv.check(cu.cuMemSetAccess(mapping.address, mapping.nbytes,
+                                    [self._access_desc(True)], 1), "cuMemSetAccess")
+
+    def _map(self, handle, nbytes: int, alignment: int, writable: bool = True) -> _Mapping:
+        """Reserve, map and enable access for this GPU (`writable`: for its own slices);
+        on failure nothing stays held."""
         cu = drv.driver()
         try:
             address = int(drv.check(cu.cuMemAddressReserve(nbytes, alignment, 0, 0),
@@ -100,8 +119,7 @@ class CudaPeerMemory(PeerMemory):
             raise
         mapping = _Mapping(handle, address, nbytes)
         try:
-            drv.check(cu.cuMemSetAccess(address, nbytes, [self._access_desc()], 1),
-                      "cuMemSetAccess")
+            self._set_access(mapping, writable)
         except PeerMemoryError:
             mapping.release()
             raise
@@ -159,7 +177,7 @@ class CudaPeerMemory(PeerMemory):
             for key_text, handle in record["handles"].items():
                 imported = self._import_fabric(record["rank"], handle["fabric"])
                 self._peers[int(key_text)][record["rank"]] = self._map(
-                    imported, handle["nbytes"], 0)
+                    imported, handle["nbytes"], 0, writable=False)
 
     @property
     def can_hold(self) -> bool:
@@ -189,7 +207,7 @@ class CudaPeerMemory(PeerMemory):
         cu = drv.driver()
         handle = drv.check(cu.cuMemImportFromShareableHandle(fd, drv.handle_type_enum("posix_fd")),
                            f"import of rank {rank}'s slice of table {key} from its holder")
-        mapping = self._map(handle, nbytes, 0)
+        mapping = self._map(handle, nbytes, 0, writable=rank == self.rank)
         self._shapes[key] = tuple(shape)
         if rank == self.rank:
             self._own[key] = mapping
