@@ -209,14 +209,15 @@ class LocalDeployment:
         """Block until the application runs and answers; seconds it took."""
         from ray import serve
 
-        start = time.monotonic()
+        start, asked_at = time.monotonic(), time.time()
         last = None
         while True:
             elapsed = time.monotonic() - start
             if elapsed > self.options.startup_timeout_s:
                 raise EngramRayError(f"the local deployment was not ready after {elapsed:.0f} s:"
                                      f" {self._state_text()}")
-            died = read_deaths(self.deaths)
+            # Deaths recorded before this wait were dealt with (an engine restarted in place).
+            died = read_deaths(self.deaths, since=asked_at)
             if died:  # an engine that dies before the deployment is ready is not retried
                 raise EngineDiedError(died[0].line())
             status = serve.status().applications

@@ -33,6 +33,8 @@ class RebuildMixin:
         if gen is None:
             gen = Generation(a["generation_index"], a["generation"], a["gang_id"],
                              a["store_dir"])
+            if a.get("holder_token"):  # the members' holders check the one they were given
+                gen.holder_token = a["holder_token"]
             if not _place(group, gen, member_role(member)):
                 return False
         rank = a["member_rank"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,9 @@ class Generation:
     generation: str
     gang_id: str
     store_dir: str
+    # Slice holders answer only requests carrying it (engram_ray.tables.slice_holder): drawn
+    # per generation, given to its members with their assignment, in no status or folder.
+    holder_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     members: dict = field(default_factory=dict)   # rank -> {"replica_id", "node_labels"}
     started_at: float = field(default_factory=time.time)
     ready_at: dict = field(default_factory=dict)   # rank -> wall time its engine served

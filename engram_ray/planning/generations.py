@@ -113,7 +113,7 @@ class GenerationBook(RolloutMixin, RebuildMixin):
         return {"group_id": group.group_id, "domain_id": group.domain_id, "member_rank": rank,
                 "size": dep.peer_group_size, "generation": gen.generation,
                 "generation_index": gen.index, "gang_id": gen.gang_id,
-                "store_dir": gen.store_dir,
+                "store_dir": gen.store_dir, "holder_token": gen.holder_token,
                 "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend,
                 "handle_type": dep.handle_type,
                 "slices": [(s.layer_id, s.start, s.end)

@@ -78,6 +78,7 @@ def peer_group_settings(assignment: dict, dp_rank: int = 0,
     replica holds its engine's slices (`engram_ray.tables.slice_holder`)."""
     keys = ("size", "store_dir", "generation", "timeout_s", "backend", "handle_type")
     return PeerGroupSettings(rank=assignment["member_rank"] - dp_rank, holders=holders,
+                             holder_token=assignment.get("holder_token"),
                              **{key: assignment[key] for key in keys})
 
 
@@ -111,7 +112,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             # The coordinator made the generation's folder on its own node: on this node too
             # (0700, or checked), for the holder's socket and a one-host group's rendezvous.
             private_dir(a["store_dir"], "peer_group_store generation folder")
-            self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"])
+            self._holder = SliceHolder(a["store_dir"], a["generation"], a["member_rank"],
+                                       a.get("holder_token"))
             await self._start_member(a)
             self.engram_metrics.set_group(a["generation_index"], True,
                                           rendezvous_seconds=time.perf_counter() - joined_at)

@@ -54,7 +54,7 @@ def deposit(tables) -> None:
     slices, fds = _own_slices(tables)
     try:
         deposit_to(holder_path(settings.store_dir, settings.rank), settings.generation,
-                   settings.rank, slices, fds)
+                   settings.rank, slices, fds, settings.holder_token)
     finally:
         for fd in fds:
             os.close(fd)
@@ -73,7 +73,8 @@ def offered(tables):
         deposit(tables)
         yield
         return
-    holder = SliceHolder(settings.store_dir, settings.generation, settings.rank)
+    holder = SliceHolder(settings.store_dir, settings.generation, settings.rank,
+                         settings.holder_token)
     try:
         holder.hold(*_own_slices(tables))
         yield
@@ -83,7 +84,8 @@ def offered(tables):
 
 def holds_slices(settings) -> bool:
     """True when this member's holder holds its slices already (its engine restarted)."""
-    slices, fds = fetch(holder_path(settings.store_dir, settings.rank), settings.generation)
+    slices, fds = fetch(holder_path(settings.store_dir, settings.rank), settings.generation,
+                        settings.holder_token)
     for fd in fds:
         os.close(fd)
     return bool(slices)
@@ -94,7 +96,8 @@ def _attach(tables, ranks) -> dict[int, list[dict]]:
     settings, layout, memory = tables.settings, tables.layout, tables.memory
     held = {}
     for rank in ranks:
-        slices, fds = fetch(holder_path(settings.store_dir, rank), settings.generation)
+        slices, fds = fetch(holder_path(settings.store_dir, rank), settings.generation,
+                            settings.holder_token)
         try:
             keys = sorted(s["key"] for s in slices)
             if keys != sorted(layout.layer_ids):

@@ -38,6 +38,7 @@ from engram_ray.tables.backends.handle_types import check_handle_request
 ADDITIONAL_CONFIG_KEY = "engram_peer_group"
 FIELD = f"additional_config.{ADDITIONAL_CONFIG_KEY}"  # how errors name these settings
 _GENERATION = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
 def _is_int(value) -> bool:
@@ -58,6 +59,7 @@ class PeerGroupSettings:
     cross_node: bool = False    # the group spans hosts: needs handle_type "fabric"
     handle_type: str | None = None  # cuda backend: "fabric" | "posix_fd", None: group picks
     holders: bool = False       # slices kept by holders in the replicas (module doc)
+    holder_token: str | None = None  # the generation's holder token (slice_holder module doc)
 
     def __post_init__(self):
         for name in ("size", "rank"):
@@ -80,6 +82,9 @@ class PeerGroupSettings:
         if self.backend not in BACKENDS:
             raise ConfigError(f"{FIELD}.backend", f"is {self.backend!r}",
                               f"one of {', '.join(BACKENDS)}")
+        if self.holder_token is not None and not _TOKEN.fullmatch(str(self.holder_token)):
+            raise ConfigError(f"{FIELD}.holder_token", "is not 32 hex digits",
+                              "the token the coordinator gave the generation")
         if not isinstance(self.holders, bool):
             raise ConfigError(f"{FIELD}.holders", f"is {self.holders!r}", "true or false")
         check_handle_request(self.handle_type, self.cross_node, FIELD)

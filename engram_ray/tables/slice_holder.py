@@ -13,16 +13,19 @@ every slice's digest must match the one kept at fill before the engine serves.
 
 Peers take a member's slices from its holder at the rendezvous too (`EngramTables.join`):
 descriptors pass between processes of one user over the socket, so no engine lets others
-ptrace it to take them. A member without a holder in its replica (DP gangs, benchmarks) runs
+ptrace it to take them. Every request carries its generation's holder token (128 random bits
+the coordinator draws per generation and hands its members with their assignment; never in
+the store folder, its names or `status`): a holder answers only its group's processes, not any
+process of the same user that finds the socket. A member without a holder in its replica (DP gangs, benchmarks) runs
 one in its engine process for the rendezvous only (`engram_ray.tables.holding.offered`).
 
 Transport: one Unix socket per member, `<store_dir>/holder-r<rank>.sock`, inside the
 generation's 0700 store folder; descriptors travel as SCM_RIGHTS; a client of another uid is
-refused (SO_PEERCRED). A request is one JSON line, the answer one JSON line with the
-descriptors as ancillary data:
+refused (SO_PEERCRED), and so is one without the holder's token. A request is one JSON line,
+the answer one JSON line with the descriptors as ancillary data:
 
-    {"op": "deposit", "generation", "rank", "slices": [SLICE, ...]} + fds  ->  {"ok": true}
-    {"op": "fetch", "generation"}  ->  {"ok": true, "rank", "slices": [SLICE, ...]} + fds
+    {"op": "deposit", "generation", "token", "rank", "slices": [SLICE, ...]} + fds -> {"ok": true}
+    {"op": "fetch", "generation", "token"}  ->  {"ok": true, "rank", "slices": [SLICE, ...]} + fds
     SLICE = {"key": layer id, "shape": [rows, row_bytes], "nbytes", "digest", "kind"}
 
 `fetch` from a holder that holds nothing answers `"slices": []` (the engine's first start).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -116,10 +120,12 @@ def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
 
 
 class SliceHolder:
-    """Member `rank`'s holder (in its Serve replica): a thread serving its socket."""
+    """Member `rank`'s holder (in its Serve replica): a thread serving its socket; with a
+    `token`, only to callers that send it."""
 
-    def __init__(self, store_dir: str, generation: str, rank: int):
+    def __init__(self, store_dir: str, generation: str, rank: int, token: str | None = None):
         self.path, self.generation, self.rank = holder_path(store_dir, rank), generation, rank
+        self.token = token
         self.slices: list[dict] = []
         self.fds: list[int] = []
         self._lock = threading.Lock()
@@ -184,7 +190,12 @@ class SliceHolder:
             _send(conn, {"ok": False, "error": "a request must be a JSON object"})
             return
         op = request.get("op")
-        if request.get("generation") != self.generation:
+        if self.token is not None and not hmac.compare_digest(
+                str(request.get("token") or ""), self.token):
+            _close_all(fds)
+            _send(conn, {"ok": False, "error": f"not a member of generation {self.generation!r}"
+                         ": the request lacks the group's holder token"})
+        elif request.get("generation") != self.generation:
             _close_all(fds)
             _send(conn, {"ok": False, "error": f"holder of generation {self.generation!r} "
                          f"asked for {request.get('generation')!r}"})
@@ -271,15 +282,16 @@ def _call(path: str, message: dict, fds: list[int] = ()) -> tuple[dict, list[int
     return answer, got
 
 
-def deposit(path: str, generation: str, rank: int, slices: list[dict], fds: list[int]) -> None:
+def deposit(path: str, generation: str, rank: int, slices: list[dict], fds: list[int],
+            token: str | None = None) -> None:
     """Hand `fds` (one per slice of `slices`, kept open by the caller's side too) to a holder."""
-    _call(path, {"op": "deposit", "generation": generation, "rank": rank, "slices": slices},
-          fds)
+    _call(path, {"op": "deposit", "generation": generation, "token": token, "rank": rank,
+                 "slices": slices}, fds)
 
 
-def fetch(path: str, generation: str) -> tuple[list[dict], list[int]]:
+def fetch(path: str, generation: str, token: str | None = None) -> tuple[list[dict], list[int]]:
     """(slices, their descriptors, now this process's to close) from a holder."""
-    answer, fds = _call(path, {"op": "fetch", "generation": generation})
+    answer, fds = _call(path, {"op": "fetch", "generation": generation, "token": token})
     if len(fds) != len(answer["slices"]):
         _close_all(fds)
         raise SliceHolderError(f"slice holder {path}: {len(answer['slices'])} slices came "

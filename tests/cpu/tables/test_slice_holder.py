@@ -131,3 +131,52 @@ def test_sampled_digest_sees_shape_and_rows():
     changed[69, 3] += 1  # the last row is always sampled
     assert sampled_digest(changed) != sampled_digest(rows)
     assert sampled_digest(rows[:69]) != sampled_digest(rows)
+
+
+def test_a_holder_answers_only_callers_with_its_generations_token(tmp_path, store):
+    """A process of the same user that finds the socket (another Ray job on the node) gets
+    nothing without the token the coordinator gave the generation's members."""
+    import secrets
+
+    token = secrets.token_hex(16)
+    holder = SliceHolder(store, GENERATION, 0, token)
+    path = holder_path(store, 0)
+    data = tmp_path / "slice"
+    data.write_bytes(bytes(64))
+    fd = os.open(data, os.O_RDONLY)
+    meta = [{"key": 1, "shape": [1, 64], "nbytes": 64, "digest": "x", "kind": "shm"}]
+    try:
+        with pytest.raises(SliceHolderError, match="lacks the group's holder token"):
+            deposit(path, GENERATION, 0, meta, [fd])
+        deposit(path, GENERATION, 0, meta, [fd], token)
+        for wrong in (None, secrets.token_hex(16)):
+            with pytest.raises(SliceHolderError, match="not a member of generation"):
+                fetch(path, GENERATION, wrong)
+        slices, fds = fetch(path, GENERATION, token)
+        assert slices == meta and len(fds) == 1
+        os.close(fds[0])
+    finally:
+        os.close(fd)
+        holder.close()
+
+
+def test_a_generation_gives_its_members_a_token_no_status_shows(tmp_path):
+    from engram_ray.model.layout import load_layout
+    from engram_ray.planning.generations import GenerationBook
+    from engram_ray.serve.config import ServeAppConfig
+
+    raw = {"deployment": {"model": "deepseek-v4.1-flash", "peer_group_size": 2,
+                          "peer_group_store": str(tmp_path / "s"), "name": "tok",
+                          "table_backend": "shm", "num_gpus_per_engine": 0},
+           "serving": {"model_source": "m", "device": "cpu"}}
+    config = ServeAppConfig.from_dict(raw, "test").deployment
+    book = GenerationBook(config, load_layout(config.model), {"group-0": "a"})
+    first, second = (book.join("group-0", "g", r, 2, f"m{r}") for r in range(2))
+    assert len(first["holder_token"]) == 32 and first["holder_token"] == second["holder_token"]
+    assert first["holder_token"] not in repr(book.status()) + str(os.listdir(first["store_dir"]))
+    settings = PeerGroupSettings(size=2, store_dir=first["store_dir"], rank=0,
+                                 generation=first["generation"],
+                                 holder_token=first["holder_token"])
+    assert PeerGroupSettings.from_additional_config(settings.to_additional_config()) == settings
+    next_gang = book.join("group-0", "h", 0, 2, "n0")
+    assert next_gang["holder_token"] != first["holder_token"]  # a new generation, a new token
