@@ -211,16 +211,28 @@ class Coordinator(InPlaceRollMixin):
                     self._end_rebuild_locked()
 
     def _end_rebuild_locked(self) -> None:
+        """Every serving gang is back: calls go on. Folders no member claimed are removed
+        only `REBUILD_WAIT_S` later: the current gangs can all be back before a gang starting
+        beside them has rejoined (its members ask every `MEMBER_CHECK_S` like the others),
+        and removing its folder would cost it its holder sockets and rendezvous."""
         self._rebuild_until = 0.0
         self.book.end_rebuild()
-        stale = self.book.unclaimed_store_dirs()
-        for store_dir in stale:
-            remove_store_dir(store_dir)
-        logger.warning("engram-ray: coordinator %s rebuilt: %s; %d store folder(s) nobody "
-                       "claimed removed", self.deployment_name, {
-                           g: r["reason"] or "serving" for g, r in self.book.routing().items()},
-                       len(stale))
+        logger.warning("engram-ray: coordinator %s rebuilt: %s", self.deployment_name, {
+            g: r["reason"] or "serving" for g, r in self.book.routing().items()})
         self._routing_changed_locked()
+        timer = threading.Timer(REBUILD_WAIT_S, self._remove_unclaimed)
+        timer.daemon = True
+        timer.start()
+
+    def _remove_unclaimed(self) -> None:
+        """Store folders of generations no member rejoined (an interrupted gang's) removed."""
+        with self._lock:
+            stale = self.book.unclaimed_store_dirs()
+            for store_dir in stale:
+                remove_store_dir(store_dir)
+        if stale:
+            logger.warning("engram-ray: coordinator %s: %d store folder(s) nobody claimed "
+                           "after its rebuild removed", self.deployment_name, len(stale))
 
     def describe(self) -> tuple[tuple, int]:
         """(what it was made with, number of members of current generations), once a

@@ -401,12 +401,14 @@ def test_a_coordinator_rebuilt_after_a_takeover_keeps_the_new_gang_current(tmp_p
 def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, tmp_path):
     """kill -9 of the coordinator's process: Ray restarts it; calls in flight wait for the
     members to rejoin (the ingress keeps its table meanwhile), then answer as before; a folder
-    no member claims is removed; a join after the rebuild continues the generation."""
+    no member claims is removed (after a grace: a gang starting beside the serving one may
+    rejoin last, and keeps its folder); a join after the rebuild continues the generation."""
     import os
     import signal
 
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import get_coordinator
+    from engram_ray.actors.lifetime import REBUILD_WAIT_S
 
     raw = _raw(tmp_path, "rebuild")
     raw["deployment"]["peer_group_size"] = 1
@@ -433,7 +435,21 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
         assert ray.get(coordinator.rejoin.remote(_member_record(a, replica_id)))
     new_version, after = ray.get(poll, timeout=10)
     assert after == before and new_version > version
+    # A gang starting beside the serving one rejoins after the serving gangs (the rebuild
+    # has ended): its folder is kept; one nobody claims goes once the grace has passed.
+    assert stale.exists()
+    late_dir = Path(assignments["m0"]["store_dir"]).parent / "rebuild-group-0.2.late"
+    late_dir.mkdir(mode=0o700)
+    late = dict(assignments["m0"], generation=late_dir.name, gang_id="g0-next",
+                generation_index=assignments["m0"]["generation_index"] + 1,
+                store_dir=str(late_dir))
+    assert ray.get(coordinator.rejoin.remote({**_member_record(late, "n0", ready=False),
+                                              "role": "starting"}))
+    deadline = time.monotonic() + REBUILD_WAIT_S + 10
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not stale.exists() and Path(assignments["m0"]["store_dir"]).is_dir()
+    assert late_dir.is_dir()
     targets = {t for g in ray.get(coordinator.target_groups.remote()) for t in g["targets"]}
     assert targets == {"127.0.0.1:90", "127.0.0.1:91"}
     again = ray.get(coordinator.join.remote("group-0", "g0", 0, 1, "m0"))
