@@ -7,6 +7,7 @@ processes have); `test_peer_shm.py` runs whole groups as processes.
 import os
 import stat
 import threading
+import time
 
 import pytest
 
@@ -153,7 +154,6 @@ def test_same_rank_twice_is_refused(tmp_path):
 def test_late_arrival_still_leaves_the_mapping_barrier_its_own_timeout(tmp_path):
     """The last barrier (peers mapped) gets its own timeout_s: a member that arrives just
     inside the first timeout must not make the early ones fail at the second barrier."""
-    import time
     outcome = {}
 
     def member(rank, delay_s, map_s):
@@ -174,3 +174,67 @@ def test_late_arrival_still_leaves_the_mapping_barrier_its_own_timeout(tmp_path)
     for t in threads:
         t.join(60)
     assert outcome == {0: "ok", 1: "ok"}, outcome
+
+
+def test_failed_member_stops_the_others_at_once(tmp_path):
+    """A member's `fail` reaches the waiting ones through `count/error`, long before their
+    timeout, with its rank and reason."""
+    store = tmp_path / "store"
+    failing = Rendezvous(str(store), "g1", 3, 1, 30.0)
+    failing.fail("ValueError: no memory")
+    start = time.monotonic()
+    outcome = meet(store, 3, [{"fingerprint": "f"}] * 3, timeout_s=30.0, ranks=[0, 2])
+    failing.close()
+    assert time.monotonic() - start < 10
+    for rank in (0, 2):
+        assert isinstance(outcome[rank], RendezvousError), outcome
+        assert "peer group 'g1': rank 1 failed: ValueError: no memory" in str(outcome[rank])
+
+
+def test_two_members_given_one_rank_at_once_one_is_refused(tmp_path):
+    """Both claim `member/0` in the same instant: compare_set lets exactly one in."""
+    outcome, ready = {}, threading.Barrier(2)
+
+    def member(idx):
+        rdv = Rendezvous(str(tmp_path / "store"), "g1", 2, 0, 1.0)
+        ready.wait()
+        try:
+            outcome[idx] = rdv.gather({"fingerprint": "f", "member": idx})
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome[idx] = exc
+
+    threads = [threading.Thread(target=member, args=(idx,)) for idx in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    messages = sorted(str(outcome[idx]) for idx in (0, 1))
+    assert all(isinstance(outcome[idx], RendezvousError) for idx in (0, 1)), outcome
+    assert sum("rank 0 of generation 'g1' was already published" in m for m in messages) == 1
+    assert sum("ranks [1] of 2 did not publish its record within 1 s" in m
+               for m in messages) == 1
+
+
+def test_missing_member_at_the_mapping_barrier_is_named(tmp_path):
+    outcome = {}
+
+    def member(rank):
+        try:
+            rdv = Rendezvous(str(tmp_path / "store"), "g1", 2, rank, 1.0)
+            rdv.gather({"fingerprint": "f"})
+            if rank == 0:  # rank 1 never maps its peers' slices
+                rdv.finish()
+            outcome[rank] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcome[1] == "ok"
+    assert isinstance(outcome[0], RendezvousError), outcome
+    assert ("ranks [1] of 2 did not map its peers' slices within 1 s (arrived: [0])"
+            in str(outcome[0]))
+
