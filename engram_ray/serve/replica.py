@@ -322,6 +322,12 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
 
     async def _leave(self) -> None:
         self._stop_link()
+        target_file = getattr(self, "_model_target_file", None)
+        if target_file is not None:  # a start that failed before the handover read it
+            try:
+                os.unlink(target_file)
+            except FileNotFoundError:
+                pass
         holder = getattr(self, "_holder", None)
         if holder is not None:
             holder.close()
