@@ -375,22 +375,17 @@ class EngramDPServer(EngramServerMixin, DPServer):
     `GangMasterInfoRegistry`, the replica's bundle for vLLM) for the nested DP gang."""
 
     async def __init__(self, llm_config, *, engine_cls=None, model_downloader=None):
-        import ray
         from ray import serve
         from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import (
-            GangMasterInfoRegistry)
-        from ray.util.collective.collective import get_address_and_port
+            TIMEOUT_SECONDS)
+
+        from engram_ray.serve.dp_gang import meet_dp_master
 
         gang = serve.get_replica_context().gang_context
         self.dp_size = llm_config.engine_kwargs["data_parallel_size"]
         self.dp_rank = gang.rank % self.dp_size
         self.gang_id = f"{gang.gang_id}-dp{gang.rank // self.dp_size}"
-        if self.dp_rank == 0:
-            address, port = get_address_and_port()
-            GangMasterInfoRegistry.register(self.gang_id, address, port,
-                                            ray.get_runtime_context().get_node_id())
-        else:
-            address, port, _ = await GangMasterInfoRegistry.get(self.gang_id)
+        address, port = await meet_dp_master(self.gang_id, self.dp_rank, TIMEOUT_SECONDS)
         llm_config.update_engine_kwargs(data_parallel_rank=self.dp_rank,
                                         data_parallel_address=address,
                                         data_parallel_rpc_port=port)
