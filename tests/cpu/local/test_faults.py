@@ -214,25 +214,29 @@ def test_a_change_in_place_cannot_apply_is_refused_by_name_and_the_groups_serve_
                       max_tokens=16).start()
     try:
         deployment.redeploy({"deployment": {"rendezvous_timeout_s": 299}})
-        deadline = time.monotonic() + 180
+        # Serve builds each application up to 4 times (3 retries) before DEPLOY_FAILED; on a
+        # loaded 2-core CI machine the 12 builds took over 180 s (2026-12-06).
+        started, deadline = time.monotonic(), time.monotonic() + 600
         while True:
             apps = serve.status().applications
             failed = {n: a.message for n, a in apps.items() if a.status == "DEPLOY_FAILED"}
             if len(failed) == len(deployment.applications) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
+        print(f"every build refused after {time.monotonic() - started:.0f} s")
         time.sleep(5.0)
         results = traffic.stop()
+        assert set(failed) == set(deployment.applications), failed
+        for message in failed.values():
+            assert "deployment.rendezvous_timeout_s needs new gangs" in message, message
+            assert "rollout.mode: beside" in message and "Nothing was changed" in message
+        assert results and all(r.ok for r in results), [
+            r.error for r in results if not r.ok][:3]
+        assert routing("faults") == before
     finally:
         traffic.stop()
-    assert set(failed) == set(deployment.applications), failed
-    for message in failed.values():
-        assert "deployment.rendezvous_timeout_s needs new gangs" in message, message
-        assert "rollout.mode: beside" in message and "Nothing was changed" in message
-    assert results and all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-    assert routing("faults") == before
-    deployment.redeploy({"deployment": {"rendezvous_timeout_s": 300}})
-    deployment.wait_ready()
+        deployment.redeploy({"deployment": {"rendezvous_timeout_s": 300}})  # the old value
+        deployment.wait_ready()
     assert {g: r["generation"] for g, r in routing("faults").items()} == {
         g: r["generation"] for g, r in before.items()}
 
