@@ -35,7 +35,7 @@ Groups follow capacity (`_follow_capacity`): a group whose domain is lost is pla
 another with room (`engram_ray.serve.group_placement`).
 
 Lifetime (`actors/lifetime.py`): killed, it restarts and rebuilds its book from the members
-(`rejoin`, sent by `engram_ray.serve.coordinator_link`); it ends with its Serve application,
+(`rejoin`, sent by `engram_ray.serve.member.link`); it ends with its Serve application,
 taking the store folders, the targets and the http_sd port with it.
 """
 

@@ -22,16 +22,34 @@ logger = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node only
 
 
-def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_name: str):
-    """The application's coordinator (see module docstring for reuse and replacement)."""
-    coordinator = _coordinator_actor(app_config_dict, domains, deployment_name)
+def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_name: str,
+                    check=None):
+    """The application's coordinator (see module docstring for reuse and replacement).
+    `check()` (the build's checks against vLLM's own option names: an import of vLLM, tens
+    of seconds on a busy node) runs once before a coordinator is made, reconfigured or
+    replaced, after a refusal of the change (which needs none: Serve builds a refused
+    deploy four times)."""
+    checked = []
+
+    def check_once():
+        if check is not None and not checked:
+            check()
+            checked.append(True)
+
+    try:
+        coordinator = find_coordinator(deployment_name)
+    except ValueError:  # none yet
+        check_once()
+        coordinator = _coordinator_actor(app_config_dict, domains, deployment_name)
     made_with, num_members = ray.get(coordinator.describe.remote())
     if tuple(made_with) == (app_config_dict, domains):
         return coordinator
     if num_members and _rolls_out_or_refuse(coordinator, made_with, app_config_dict, domains,
                                             deployment_name):
+        check_once()
         ray.get(coordinator.reconfigure.remote(app_config_dict, domains))
         return coordinator
+    check_once()
     logger.info("replacing %s: made with other settings, no members",
                 coordinator_name(deployment_name))
     ray.kill(coordinator, no_restart=True)
@@ -99,6 +117,18 @@ def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
                 "deployment.peer_group_size free engine slots in each group's domain) or "
                 "restart (an outage of one cold start) for it. Nothing was changed")
     return True
+
+
+def refused_change(app_config_dict: dict, deployment_name: str) -> str | None:
+    """Why the front door's build of this deploy refused the change of the group settings of
+    `app_config_dict` (a group application's config), if it has already; None otherwise."""
+    from engram_ray.serve.config_change import group_settings
+
+    try:
+        coordinator = find_coordinator(deployment_name)
+        return ray.get(coordinator.refusal.remote(group_settings(app_config_dict)))
+    except (ValueError, ray.exceptions.RayActorError):  # none, or being replaced
+        return None
 
 
 def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,

@@ -4,7 +4,7 @@ Its own death: the actor restarts (`max_restarts=-1`; Ray re-runs its constructo
 arguments and retries the calls that were in flight). A restarted coordinator holds nothing, so
 for `REBUILD_WAIT_S` it waits for the members to tell it what they hold (each replica asks for
 the coordinator's incarnation every `MEMBER_CHECK_S` and rejoins when it changed,
-`engram_ray.serve.coordinator_link`); calls that read or change groups wait until then, so the
+`engram_ray.serve.member.link`); calls that read or change groups wait until then, so the
 ingress keeps routing on the table it had and no gang opens a second generation.
 
 Its application: the coordinator is detached (a `serve deploy` build task that creates it ends
@@ -24,7 +24,11 @@ import ray
 logger = logging.getLogger(__name__)
 
 MEMBER_CHECK_S = 1.0     # how often a member asks for the coordinator's incarnation
-REBUILD_WAIT_S = 3 * MEMBER_CHECK_S + 2.0  # a restarted coordinator waits this long for them
+# How long a restarted coordinator waits at most for its members (it goes on as soon as every
+# serving gang is back). Past it, a group none of whose members rejoined is "not started" and
+# the ingress answers 503 for it: 5 s was too short on 2 busy cores (2026-12-06, test_faults:
+# the members rejoined 7.2 s after its new process started).
+REBUILD_WAIT_S = 30.0
 APP_CHECK_S = 5.0        # how often the coordinator looks for its Serve application
 
 

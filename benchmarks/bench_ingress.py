@@ -191,7 +191,7 @@ def plain_segments() -> set[str]:
     benchmark's to release (`release_plain_segments`)."""
     import psutil
 
-    from engram_ray.serve.engine_shm import mapped_segments
+    from engram_ray.serve.member.engine_shm import mapped_segments
 
     found = set()
     for process in psutil.process_iter(["cmdline"]):
@@ -204,7 +204,7 @@ def plain_segments() -> set[str]:
 def release_plain_segments(paths: set[str], wait_s: float = 30.0) -> None:
     """Unlink `paths` once no process maps them (the plain engine's exit after Ray's stop)."""
     from engram_ray.local.deployment import log
-    from engram_ray.serve.engine_shm import release_segments
+    from engram_ray.serve.member.engine_shm import release_segments
 
     log(f"releasing the plain engine's shared memory: {sorted(paths) or 'none found'}")
     deadline = time.monotonic() + wait_s

@@ -6,7 +6,9 @@
 - `ray up` cluster YAML (top-level `provider`): Ray's autoscaler schema and what engram-ray needs
   on the nodes (engram_ray.serve.cluster_configs);
 - KubeRay manifest (one or more documents, one `kind: RayService`): each RayService's embedded
-  `spec.serveConfigV2` through the same Serve checks.
+  `spec.serveConfigV2` through the same Serve checks, and each application's
+  `peer_group_store` on one claim shared by the head and every GPU worker pod where its groups
+  span pods (`engram_ray.serve.store_sharing`; a Serve YAML alone says where it must be).
 
 One line per file, `OK FILE (kind: ...)` or `FAILED FILE: field: problem`; exit 1 if any failed.
 """
@@ -89,7 +91,10 @@ def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc.field}", exc.problem, exc.expected) from None
     if kind == "serve":
-        return f"Serve: {_apps(check_serve_config(docs[0], path))}"
+        from engram_ray.serve.store_sharing import serve_note
+
+        apps = check_serve_config(docs[0], path)
+        return f"Serve: {_apps(apps)}{serve_note(apps)}"
     if kind == "ray-up":
         check_ray_up_config(docs[0], path, label_key)
         data = docs[0]
@@ -102,6 +107,7 @@ def _check_kuberay(path: str, docs: list) -> str:
     import yaml
 
     from engram_ray.serve.cluster_configs import check_serve_config
+    from engram_ray.serve.store_sharing import check_kuberay_store
 
     services = [(i, d) for i, d in enumerate(docs)
                 if isinstance(d, dict) and d.get("kind") == "RayService"]
@@ -123,5 +129,6 @@ def _check_kuberay(path: str, docs: list) -> str:
             raise ConfigError(where, f"is not valid YAML ({' '.join(str(exc).split())})") from None
         if not isinstance(serve, dict):
             raise ConfigError(where, f"holds a {type(serve).__name__}", "a YAML mapping")
-        summaries.append(f"{name}: {_apps(check_serve_config(serve, where))}")
+        apps = check_serve_config(serve, where)
+        summaries.append(f"{name}: {_apps(apps)}{check_kuberay_store(service, apps, where)}")
     return f"KubeRay RayService {'; '.join(summaries)}"

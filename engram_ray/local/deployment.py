@@ -5,6 +5,9 @@ Used by `engram-ray local` and its tests. Every server listens on 127.0.0.1; Ray
 to all addresses, so tests run this inside a loopback-only network namespace.
 """
 
+# Over 300 lines: the local deployment's one object drives its whole life as an operator
+# would (model, Ray, serve deploy, redeploy, readiness, status, Prometheus, stop).
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +24,8 @@ from pathlib import Path
 from engram_ray.errors import EngramRayError
 from engram_ray.private_dirs import private_dir
 from engram_ray.planning.assignment import deaths_dir
-from engram_ray.serve.engine_death import EngineDiedError, read_deaths
-from engram_ray.serve.engine_shm import processes_using, release_leftovers
+from engram_ray.serve.member.engine_death import EngineDiedError, read_deaths
+from engram_ray.serve.member.engine_shm import processes_using, release_leftovers
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
 STARTUP_TIMEOUT_S = 900

@@ -7,7 +7,7 @@ deployment (`engram_ray.local.deployment.LocalDeployment`, this process its Ray 
     report = kill_under_load(deployment, traffic, "engine_core", "group-0")
 
 An engine kill ("engine_core", "worker") restarts that member's engine in place, in its
-generation (`engram_ray.serve.member_restart`); a replica kill restarts the group's whole gang
+generation (`engram_ray.serve.member.restart`); a replica kill restarts the group's whole gang
 in a new generation; a coordinator kill (its process, kill -9) restarts the coordinator, which
 rebuilds its groups from the members (`actors/lifetime.py`) while every group serves on:
 `recovered_s` is then when it answered again with every group as before. Per kill: requests sent, lost silently (must be 0), failed visibly,

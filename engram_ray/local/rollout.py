@@ -72,16 +72,21 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
 
 
 def coordinator_kill_when_starting(deployment_name: str):
-    """A `during` for `roll_under_load`: kill -9 of the coordinator's process, once, the first
-    time a group has a gang starting beside its serving one (`beside`: the new gang joined);
-    `.killed_at` (time.time()) says when, None if it never was."""
+    """A `during` for `roll_under_load` and `scale_under_load`: kill -9 of the coordinator's
+    process, once, the first time a gang has joined and is starting: beside a group's serving
+    one (`beside`), or a group's first (a group added); `.killed_at` (time.time()) says when,
+    None if it never was."""
     import os
     import signal
 
     from engram_ray.local.faults import coordinator_pid
 
+    def starting(status: dict) -> bool:
+        return status["starting"] is not None or (
+            status["generation"] is not None and len(status["ready_at"]) < len(status["members"]))
+
     def during(statuses: dict) -> None:
-        if during.killed_at is None and any(s["starting"] for s in statuses.values()):
+        if during.killed_at is None and any(starting(s) for s in statuses.values()):
             os.kill(coordinator_pid(deployment_name), signal.SIGKILL)
             during.killed_at = time.time()
     during.killed_at = None
@@ -89,12 +94,14 @@ def coordinator_kill_when_starting(deployment_name: str):
 
 
 def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: float = 3.0,
-                     timeout_s: float = 600.0, reference: dict[bool, str] | None = None) -> dict:
+                     timeout_s: float = 600.0, reference: dict[bool, str] | None = None,
+                     during=None) -> dict:
     """Deploy `serving.num_peer_groups: num_groups` while `traffic` runs and wait until
     exactly those groups serve and the applications of removed groups are gone: every request
     sent meanwhile, how many failed (must be 0), seconds until then (`scaled_s`), and whether
     the groups kept from before still serve the generation they served (`untouched`: their
-    engines were not restarted)."""
+    engines were not restarted), and the generation index each added group serves (1: its
+    first gang). `during(statuses)` as in `roll_under_load`."""
     from ray import serve
 
     from engram_ray.serve.app import group_app_name
@@ -107,6 +114,8 @@ def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: fl
     deadline = started_at + timeout_s
     while time.monotonic() < deadline:
         table = routing(name)
+        if during is not None:
+            during({g: group_status(name, g) for g in table})
         apps = serve.status().applications
         if set(table) == wanted and all(r["serving"] for r in table.values()) and not any(
                 group_app_name(name, g) in apps for g in set(before) - wanted):
@@ -120,6 +129,8 @@ def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: fl
             "scaled_s": round(done_at - started_at, 1),
             "untouched": {g: table[g]["generation"] == before[g]
                           for g in sorted(wanted & set(before))},
+            "added_generation_index": {g: group_status(name, g)["generation_index"]
+                                       for g in sorted(wanted - set(before))},
             **_clients_saw(traffic, first, done_at, settle_s, reference)}
 
 

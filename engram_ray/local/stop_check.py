@@ -38,7 +38,7 @@ def leftovers(deployment, shm_before: frozenset = frozenset()) -> dict:
     import socket
 
     from engram_ray.actors.coordinator_lookup import find_coordinator
-    from engram_ray.serve.engine_shm import mapped_shm_inodes
+    from engram_ray.serve.member.engine_shm import mapped_shm_inodes
 
     mapped = mapped_shm_inodes() or set()
     shm = [p for p in glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/sem.mp-*")

@@ -82,19 +82,12 @@ class EngineMetrics:
         self._labels = identity.labels()
         self._rows_seen = {"local": 0, "remote": 0}
         self._drains: list = []
-        self.server = None  # this engine's own /metrics endpoint, once `serve` started it
+        # The model process's own /metrics endpoint (exposition.start_process_metrics).
+        self.server = None
         # First in the registry: a scrape publishes pending lookup samples before it reads
         # the lookup series (engram_ray.metrics.lookup_meter).
         self.registry.register(_DrainOnCollect(self._drains))
         self._define()
-
-    def serve(self, bind_address: str, port: int = 0, advertise_host: str | None = None):
-        """Start this engine's own `/metrics` endpoint (`engram_ray.metrics.exposition.
-        MetricsServer` over this registry only); returns it (also `self.server`)."""
-        from engram_ray.metrics.exposition import MetricsServer
-        self.server = MetricsServer([self.registry], bind_address, port,
-                                    include_process_registry=False, advertise_host=advertise_host)
-        return self.server
 
     def add_drain(self, drain) -> None:
         """`drain()` runs at every scrape, before the series are read (lookup samples whose

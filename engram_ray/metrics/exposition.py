@@ -192,8 +192,10 @@ def start_process_metrics(additional_config) -> EngineMetrics | None:
         return None
     metrics = EngineMetrics(EngineIdentity(raw["model"], raw["engine"], raw["peer_group"],
                                            int(raw["rank"])))
-    metrics.serve(raw.get("bind_address", DEFAULT_BIND_ADDRESS), int(raw.get("port") or 0),
-                  advertise_host=raw.get("advertise_host"))
+    metrics.server = MetricsServer([metrics.registry], raw.get("bind_address",
+                                                               DEFAULT_BIND_ADDRESS),
+                                   int(raw.get("port") or 0), include_process_registry=False,
+                                   advertise_host=raw.get("advertise_host"))
     # Private: a target planted there would be scraped and labelled as an engine.
     directory = private_dir(os.path.dirname(os.path.abspath(raw["target_file"])),
                             "model metrics targets folder")

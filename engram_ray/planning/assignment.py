@@ -54,7 +54,7 @@ def group_store_root(peer_group_store: str, deployment: str, group_id: str) -> s
 
 
 def deaths_dir(peer_group_store: str, deployment: str) -> Path:
-    """Where a deployment's replicas record engine deaths (`engram_ray.serve.engine_death`):
+    """Where a deployment's replicas record engine deaths (`engram_ray.serve.member.engine_death`):
     beside its groups' store folders, removed with them (`GenerationBook.remove_stores`)."""
     return Path(peer_group_store, deployment, "engine-deaths")
 

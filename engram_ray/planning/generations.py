@@ -28,6 +28,11 @@ restart that failed) breaks the generation for good: Serve restarts the whole ga
 next gang opens a new generation.
 """
 
+# Over 300 lines: every transition of a group's generations (join, ready, restart in place,
+# break, leave, routing) reads and writes the same book (the coordinator calls it under its
+# lock); the rollout's and the rebuild's are mixins beside it (generation_rollout,
+# generation_rebuild).
+
 from __future__ import annotations
 
 import secrets

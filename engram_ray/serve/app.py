@@ -9,7 +9,7 @@
                       request checks, caps, every error's shape         engram_ray.serve.api_guard
     engram_ray.serve.app:build_group   (one per group, `<deployment.name>-group-<i>`;
                                         args: `group_args`, the same settings and `group`)
-      per group       one Serve deployment = one gang of P engines,    engram_ray.serve.replica
+      per group       one Serve deployment = one gang of P engines,    engram_ray.serve.member
                       bundles label-selected to the group's domain,
                       requests only to members that serve      engram_ray.serve.member_router
 
@@ -25,41 +25,17 @@ swapped for an engram-ray engine, and its OpenAI ingress.
 
 from __future__ import annotations
 
-from engram_ray.errors import ConfigError
+from engram_ray.errors import ConfigError, EngramRayError
 from engram_ray.planning.grouping import PeerGroupPlan, PlacementError
 from engram_ray.serve.config import MAX_ONGOING_REQUESTS, ServeAppConfig
-
-
-def engine_kwargs(app: ServeAppConfig) -> dict:
-    """vLLM engine arguments of every replica (the peer-group settings are added per replica).
-
-    CUDA graphs and prefix caching as vLLM decides, except for architectures that need other
-    settings (`engram_ray.vllm.engine_settings`: the tiny model's per-KV-slot n-gram
-    history needs eager mode and no prefix caching). `serving.host_kv_cache_gib` becomes
-    vLLM's `kv_offloading_size` (native CPU KV-cache offloading, GiB per engine)."""
-    from engram_ray.planning.host_kv import KV_OFFLOADING_ARG
-    from engram_ray.vllm.engine_settings import architecture_engine_kwargs
-
-    srv = app.serving
-    kwargs = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "disable_log_stats": False,
-              **architecture_engine_kwargs(srv.model_source)}
-    if srv.max_model_len is not None:
-        kwargs["max_model_len"] = srv.max_model_len
-    if srv.data_parallel_size > 1:
-        kwargs.update(data_parallel_size=srv.data_parallel_size,
-                      enable_expert_parallel=srv.enable_expert_parallel)
-    host_kv_gib = app.host_kv_offloading_gib()
-    if host_kv_gib is not None:
-        kwargs[KV_OFFLOADING_ARG] = host_kv_gib
-    kwargs.update(srv.engine_kwargs)  # never kv_offloading_size with it (refused in the config)
-    return kwargs
+from engram_ray.serve.engine_args import engine_kwargs
 
 
 def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
     """The Ray Serve LLM `LLMConfig` of the engines of peer group `group`."""
     from ray.serve.llm import LLMConfig
 
-    from engram_ray.serve.replica import APP_CONFIG_KEY, GROUP_KEY
+    from engram_ray.serve.member.server import APP_CONFIG_KEY, GROUP_KEY
 
     srv, dep = app.serving, app.deployment
     deployment_config = {
@@ -110,7 +86,7 @@ def ingress_options(srv) -> dict:
 
 
 def server_class(app: ServeAppConfig):
-    from engram_ray.serve.replica import EngramDPServer, EngramLLMServer
+    from engram_ray.serve.member.server import EngramDPServer, EngramLLMServer
 
     return EngramDPServer if app.serving.data_parallel_size > 1 else EngramLLMServer
 
@@ -167,14 +143,15 @@ def build_front_door(args: dict, server_cls=None):
     from engram_ray.actors.lifetime import saved_settings
     from engram_ray.actors.placement import plan_groups
 
-    app = _checked(args, "build_app args")
+    app = ServeAppConfig.from_dict(args, "build_app args")
     dep = app.deployment
     server_cls = server_cls or server_class(app)
     # Groups stay where they run (a rebuild of a serving application, a group placed again
     # after its domain was lost: the coordinator's saved domains).
     kept = saved_settings(coordinator_name(dep.name))
     groups = plan_groups(dep, app.serving.num_peer_groups, keep=kept and kept["domains"])
-    get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name)
+    get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name,
+                    check=lambda: check_library_options(app))
     engines = group_engines(server_cls, dep.name, [g.group_id for g in groups])
     return _ingress(llm_config(app, groups[0]), engines, dep.name)
 
@@ -183,7 +160,7 @@ def build_group_app(args: dict, server_cls=None):
     """`build_group` with the engine class replaced by `server_cls` (tests)."""
     from ray.serve.llm import build_llm_deployment
 
-    from engram_ray.actors.coordinator_lookup import group_domain
+    from engram_ray.actors.coordinator_lookup import group_domain, refused_change
     from engram_ray.actors.placement import discover_domains, gang_options
     from engram_ray.serve.member_router import ROUTER_PATH
 
@@ -192,8 +169,14 @@ def build_group_app(args: dict, server_cls=None):
     if not isinstance(group_id, str) or not group_id.startswith("group-"):
         raise ConfigError("build_group args: group", f"is {group_id!r}",
                           "the group's id, group-<i> (engram_ray.serve.app.group_args)")
-    own = _checked(args, "build_group args")
+    own = ServeAppConfig.from_dict(args, "build_group args")
     dep = own.deployment
+    # A change the front door refused fails here at once (Serve builds it four times); else
+    # a typo in an option name fails here too, not after the wait for the front door.
+    refused = refused_change(own.to_dict(), dep.name)
+    if refused:
+        raise EngramRayError(refused)
+    check_library_options(own)
     # The front door's build placed the group and set the coordinator up with these settings:
     # the engines run the coordinator's (the front door's), rollout and in-place ones included.
     domain_id, settings = group_domain(own.to_dict(), group_id, dep.name,
@@ -242,15 +225,13 @@ def engram_applications(args: dict, app_name: str, route_prefix: str = "/",
     return apps
 
 
-def _checked(args: dict, source: str) -> ServeAppConfig:
-    """The app config of `args`, with the checks against vLLM's and Ray Serve LLM's own option
-    names (a typo fails here, not in every engine)."""
+def check_library_options(app: ServeAppConfig) -> None:
+    """`app`'s engine arguments and LLMConfig options against vLLM's and Ray Serve LLM's own
+    names (a typo fails the build, not every engine)."""
     from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
 
-    app = ServeAppConfig.from_dict(args, source)
     check_engine_kwargs(engine_kwargs(app))
     check_llm_options(app.serving)
-    return app
 
 
 def _ingress(config, engines: dict, deployment_name: str):
@@ -263,7 +244,7 @@ def _ingress(config, engines: dict, deployment_name: str):
 
     from engram_ray.serve.api_guard import guarded_ingress_app
     from engram_ray.serve.ingress import PeerGroupIngress
-    from engram_ray.serve.replica import APP_CONFIG_KEY
+    from engram_ray.serve.member.server import APP_CONFIG_KEY
 
     serving = ServeAppConfig.from_dict(config.experimental_configs[APP_CONFIG_KEY]).serving
     # Ray Serve LLM's default is one replica autoscaled at 1e9 requests (never): replaced.

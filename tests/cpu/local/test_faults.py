@@ -291,20 +291,26 @@ def test_a_changed_config_rolls_out_beside_through_a_coordinator_kill_and_every_
 def test_num_peer_groups_up_and_down_adds_and_removes_a_group_and_leaves_the_others(
         deployment):
     """num_peer_groups 2 -> 3 -> 2 under load: group-2's application starts in the spare
-    slot and is deleted again; group-0 and group-1 serve the same generation throughout
-    (their engines never restart: each group is a Serve application of its own) and not one
-    request fails."""
+    slot and is deleted again; the coordinator is killed (kill -9) while group-2's first
+    gang starts: it rebuilds the serving groups and the starting one from their members, and
+    group-2 comes up in its first generation (#43 item 4); group-0 and group-1 serve the same
+    generation throughout (their engines never restart: each group is a Serve application of
+    its own) and not one request fails."""
     from engram_ray.local.faults import reference_answers
-    from engram_ray.local.rollout import scale_under_load
+    from engram_ray.local.rollout import coordinator_kill_when_starting, scale_under_load
 
     traffic = Traffic(f"{deployment.url}/v1", deployment.model_id, concurrency=6,
                       max_tokens=32).start()
+    kill = coordinator_kill_when_starting("faults")
     try:
         time.sleep(3.0)
         reference = reference_answers(traffic.results)
-        steps = [scale_under_load(deployment, traffic, n, reference=reference) for n in (3, 2)]
+        steps = [scale_under_load(deployment, traffic, 3, reference=reference, during=kill),
+                 scale_under_load(deployment, traffic, 2, reference=reference)]
     finally:
         results = traffic.stop()
+    assert kill.killed_at is not None
+    assert steps[0]["added_generation_index"] == {"group-2": 1}  # no second gang started
     for step in steps:
         print(step)
         assert step["window_requests"] > 0 and step["window_failed"] == 0, step

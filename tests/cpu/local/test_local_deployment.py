@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from engram_ray.local.loadgen import run_load
 from engram_ray.local.prometheus import Prometheus, free_port, scrape_config
 from engram_ray.local.summary import engine_row, merge_by_engine
-from engram_ray.serve import engine_shm
+from engram_ray.serve.member import engine_shm
 from engram_ray.serve.api_errors import leaks
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def vllm_processes(title: str, under: int) -> list[int]:
 
 
 def engine_segments() -> set[str]:
-    """vLLM's shared-memory ring buffers (engram_ray.serve.engine_shm)."""
+    """vLLM's shared-memory ring buffers (engram_ray.serve.member.engine_shm)."""
     return {path for path in glob.glob("/dev/shm/psm_*")
             if engine_shm.SEGMENT_NAME.fullmatch(path)}
 
@@ -486,7 +486,7 @@ def test_worker_dying_before_ready_is_reported_in_one_line(tmp_path):
     that had not requested the tile state): one line with the engine and its cause, exit code
     2, no traceback, everything stopped and removed (the ring buffers the engine made before
     it died included: the replica records them while the engine starts)."""
-    from engram_ray.serve.engine_shm import processes_using
+    from engram_ray.serve.member.engine_shm import processes_using
 
     segments_before = set(Path("/dev/shm").glob("psm_*"))
     run = Local(tmp_path, "--once")

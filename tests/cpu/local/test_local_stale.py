@@ -11,7 +11,7 @@ import pytest
 
 from engram_ray.errors import EngramRayError
 from engram_ray.local.deployment import LocalDeployment, LocalOptions
-from engram_ray.serve.engine_shm import processes_using
+from engram_ray.serve.member.engine_shm import processes_using
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from engram_ray.model.layout import load_layout
 from engram_ray.planning.host_kv import (HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG,
                                          freed_host_kv_budget, host_kv_budget, kv_bytes_per_token)
 from engram_ray.planning.memory import GIB, gib, make_plan
-from engram_ray.serve.app import engine_kwargs
+from engram_ray.serve.engine_args import engine_kwargs
 from engram_ray.serve.config import ServeAppConfig
 from engram_ray.serve.library_options import check_engine_kwargs
 

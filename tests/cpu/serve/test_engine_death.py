@@ -1,4 +1,4 @@
-"""Why an engine died (engram_ray.serve.engine_death), read from real processes' output: a
+"""Why an engine died (engram_ray.serve.member.engine_death), read from real processes' output: a
 process that faulthandler reports killed by a fatal signal, a replica-like process whose log
 and stderr are files, and the records `engram-ray local` reads. The whole path (a vLLM worker
 killed under a Serve replica) is tested in test_local_deployment.py."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from engram_ray.serve.engine_death import (EngineDeath, EngineWatch, describe_exit, explain,
+from engram_ray.serve.member.engine_death import (EngineDeath, EngineWatch, describe_exit, explain,
                                            read_deaths, record_death)
 
 # vLLM 0.32's multiproc executor, once a worker is ready (multiproc_executor.py)
@@ -67,7 +67,7 @@ def test_watch_reads_only_what_its_engine_wrote_and_records_it(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from engram_ray.serve.engine_death import EngineWatch
+        from engram_ray.serve.member.engine_death import EngineWatch
         watch = EngineWatch("group-0-r1", "replica-a", Path({str(tmp_path / "deaths")!r}))
         assert watch.find("while starting") is None, "read what was there before it"
         print({WORKER_DIED.format(code=-4)!r}, flush=True)

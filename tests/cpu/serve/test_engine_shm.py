@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from engram_ray.private_dirs import UnsafeFolderError
-from engram_ray.serve import engine_shm
+from engram_ray.serve.member import engine_shm
 
 # A child that maps a segment the way vLLM's executor does (multiprocessing.shared_memory),
 # untracked, so only engram-ray can remove it; it prints the path and waits to be killed.

@@ -1,4 +1,4 @@
-"""KV-cache capacity behind the headroom gauges (engram_ray.serve.kv_cache): exact bytes from
+"""KV-cache capacity behind the headroom gauges (engram_ray.serve.member.kv_cache): exact bytes from
 the workers' KVCacheConfig, the formula as fallback.
 
 Fast tests build KV-cache configs with vLLM's own planner; the slow one starts the tiny model in
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engram_ray.serve import kv_cache
-from engram_ray.serve.kv_cache import (KV_PROBE_CLS, KV_PROBE_METHOD, engine_capacity,
+from engram_ray.serve.member import kv_cache
+from engram_ray.serve.member.kv_cache import (KV_PROBE_CLS, KV_PROBE_METHOD, engine_capacity,
                                        formula_capacity, kv_cache_config_bytes, probe_engine_kwargs,
                                        storage_bytes)
 
@@ -135,7 +135,7 @@ def test_engine_capacity_prefers_the_workers_and_falls_back_to_the_formula(monke
         12000, 90 * BLOCK_SIZE, "kv_cache_config")
 
     formula = formula_capacity(mla_model_config(100))
-    monkeypatch.setattr("engram_ray.serve.kv_cache.PROBE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr("engram_ray.serve.member.kv_cache.PROBE_TIMEOUT_S", 0.1)
     # Under "ray.serve", which stops propagating to the root logger once Ray is imported.
     monkeypatch.setattr(kv_cache.logger, "handlers", [caplog.handler])
     for answer in (Exception("Method 'engram_kv_cache_bytes' is not implemented."), "hang", []):
@@ -153,8 +153,8 @@ from types import SimpleNamespace
 sys.path.insert(0, sys.argv[3])  # tests/, for support.engine_runner
 from support.engine_runner import apply_cpu_defaults, generate_async, start_async_engine
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
-from engram_ray.serve.kv_cache import KV_PROBE_METHOD, formula_capacity, probe_engine_kwargs
-from engram_ray.serve.replica import EngramServerMixin
+from engram_ray.serve.member.kv_cache import KV_PROBE_METHOD, formula_capacity, probe_engine_kwargs
+from engram_ray.serve.member.server import EngramServerMixin
 
 
 async def main(model_dir):

@@ -1,4 +1,4 @@
-"""The restart-in-place decision of a replica whose engine died (`MemberRestartMixin`): a member
+"""The restart-in-place decision of a replica whose engine died (`InPlaceRestart`): a member
 that may not restart (no slices held, the coordinator refuses because the generation broke
 meanwhile, or the coordinator cannot be reached) is lost: it reports its generation broken and
 its health checks fail from then on, so Serve restarts the gang. A health check that fails
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from engram_ray.serve.member_restart import MemberRestartMixin
+from engram_ray.serve.member.restart import InPlaceRestart
 
 
 class _Call:
@@ -34,33 +34,54 @@ class _Coordinator:
         self.member_restarting = _Call(restarting)
 
 
-class _Member(MemberRestartMixin):
-    def __init__(self, restarting, holds_slices=True, deadline_s=600.0, hangs=False):
-        from engram_ray.serve.config import ServeAppConfig
+class _Engine:
+    """`MemberEngine` as the restart uses it: a restart that fails (or hangs)."""
 
-        self._coordinator, self._replica_id = _Coordinator(restarting), "replica-0"
-        self._holds_slices, self.reported = holds_slices, []
-        self.restarted, self.hangs = False, hangs
-        self._app = ServeAppConfig.from_dict({"serving": {"rollout": {
-            "in_place_timeout_s": deadline_s}}})
+    def __init__(self, hangs):
+        self.hangs, self.restarted, self.watch_stopped = hangs, False, False
 
-    def can_restart_in_place(self) -> bool:
-        return self._holds_slices
-
-    def _engine_death(self, phase):
+    def find_death(self, phase):
         return None  # no recorded cause: "engine died"
 
-    async def _report_broken(self, reason):
-        self.reported.append(reason)
-
-    def _stop_watching_engine(self):
+    def stop_watching(self):
         self.watch_stopped = True
 
-    async def _restart_engine(self, dp_round=""):
+    async def restart(self, dp_round=""):
         self.restarted, self.dp_round = True, dp_round
         if self.hangs:
             await asyncio.sleep(3600)
         raise RuntimeError("not in this test")
+
+
+class _Roll:
+    version = None
+
+    def is_rolling(self):
+        return False
+
+
+class _Server:
+    """The server parts `InPlaceRestart` reaches; its holder full or not."""
+
+    def __init__(self, restarting, holds_slices=True, deadline_s=600.0, hangs=False):
+        from engram_ray.serve.config import ServeAppConfig
+
+        self._coordinator, self._replica_id = _Coordinator(restarting), "replica-0"
+        self._holder = type("Holder", (), {"is_full": holds_slices})()
+        self._member_engine, self._roll, self.reported = _Engine(hangs), _Roll(), []
+        self._app = ServeAppConfig.from_dict({"serving": {"rollout": {
+            "in_place_timeout_s": deadline_s}}})
+        self._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 1,
+                            "generation": "local-group-0.1"}
+        self.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
+        self._restarts = InPlaceRestart(self)
+
+    async def _report_broken(self, reason):
+        self.reported.append(reason)
+
+
+def _member(restarting, holds_slices=True, deadline_s=600.0, hangs=False) -> InPlaceRestart:
+    return _Server(restarting, holds_slices, deadline_s, hangs)._restarts
 
 
 @pytest.mark.parametrize("restarting, holds_slices", [
@@ -71,41 +92,36 @@ class _Member(MemberRestartMixin):
 ], ids=["refused", "coordinator unreachable", "refused (None)", "no slices held"])
 def test_a_member_that_may_not_restart_is_lost_and_fails_its_health_checks(restarting,
                                                                            holds_slices):
-    member = _Member(restarting, holds_slices)
-    asyncio.run(member._on_engine_death())
-    assert not member.restarted
-    assert member.reported == ["engine died"]
-    assert member._restart_error == "engine died"  # check_health raises it from now on
-    assert not member._restarting
+    member = _member(restarting, holds_slices)
+    server = member.server
+    asyncio.run(member.on_engine_death())
+    assert not server._member_engine.restarted
+    assert server.reported == ["engine died"]
+    assert member.error == "engine died"  # check_health raises it from now on
+    assert not member.is_restarting
     if not holds_slices:
-        assert member._coordinator.member_restarting.calls == []
+        assert server._coordinator.member_restarting.calls == []
 
 
 def test_a_restart_that_fails_loses_the_member_naming_why():
-    member = _Member(True)
-    member._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 1,
-                          "generation": "local-group-0.1"}
-    member.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
-    asyncio.run(member._on_engine_death())
-    assert member.restarted and not member._restarting
-    assert member._restart_error == ("engine of group-0-r1 could not restart in place: "
-                                     "RuntimeError: not in this test")
-    assert member.reported == [member._restart_error]
+    member = _member(True)
+    asyncio.run(member.on_engine_death())
+    assert member.server._member_engine.restarted and not member.is_restarting
+    assert member.error == ("engine of group-0-r1 could not restart in place: "
+                            "RuntimeError: not in this test")
+    assert member.server.reported == [member.error]
 
 
 def test_a_restart_that_does_not_serve_within_the_deadline_loses_the_member():
     """serving.rollout.in_place_timeout_s: a restart in place that hangs is given up; the
     member is lost (its health checks fail: Serve restarts its gang)."""
-    member = _Member(True, deadline_s=0.2, hangs=True)
-    member._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 0,
-                          "generation": "local-group-0.1"}
-    member.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
-    asyncio.run(asyncio.wait_for(member._on_engine_death(), 5.0))
-    assert member.restarted and not member._restarting
-    assert member._restart_error == (
-        "engine of group-0-r0 could not restart in place: not serving after "
+    member = _member(True, deadline_s=0.2, hangs=True)
+    asyncio.run(asyncio.wait_for(member.on_engine_death(), 5.0))
+    assert member.server._member_engine.restarted and not member.is_restarting
+    assert member.error == (
+        "engine of group-0-r1 could not restart in place: not serving after "
         "serving.rollout.in_place_timeout_s (0.2 s)")
-    assert member.reported == [member._restart_error]
+    assert member.server.reported == [member.error]
 
 
 class _Checks:
@@ -120,15 +136,13 @@ class _Checks:
 
 
 def _replica(failures):
-    from engram_ray.serve.replica import EngramServerMixin
+    from engram_ray.serve.member.server import EngramServerMixin
 
     class Replica(EngramServerMixin, _Checks):
         def __init__(self):
             _Checks.__init__(self, failures)
+            self._make_parts()  # no engine watch yet: no death found, the failures transient
             self._assignment, self.reported = {"group_id": "group-0"}, []
-
-        def _engine_death(self, phase):
-            return None  # the engine lives: the failures are transient
 
         async def _report_broken(self, reason):
             self.reported.append(reason)
@@ -159,7 +173,7 @@ def test_a_health_check_that_fails_once_does_not_break_the_generation():
 
 
 def test_failures_in_a_row_that_make_serve_restart_the_replica_break_the_generation():
-    from engram_ray.serve.replica import FAILED_CHECKS_TO_RESTART
+    from engram_ray.serve.member.server import FAILED_CHECKS_TO_RESTART
 
     replica = _replica([True] * FAILED_CHECKS_TO_RESTART)
     assert not any(_run_checks(replica, FAILED_CHECKS_TO_RESTART))
@@ -172,21 +186,19 @@ def test_a_member_whose_dp_gang_restarts_stops_its_live_engine_and_restarts_with
     number): this member's engine, alive, is stopped and restarted under that number, without
     asking the coordinator again; the same number again, or its own engine's death meanwhile,
     starts nothing more."""
-    member = _Member(2)
-    member._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 2,
-                          "generation": "local-group-0.1"}
-    member.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
+    member = _member(2)
+    engine = member.server._member_engine
 
     async def run():
-        member._on_gang_restart(1)
-        assert member._restarting and member.watch_stopped
-        member._on_gang_restart(1)  # asked again before it finished: nothing more
-        await member._on_engine_death()  # its engine dies as the gang's stops: left to it
-        await member._gang_restart_task
+        member.on_gang_restart(1)
+        assert member.is_restarting and engine.watch_stopped
+        member.on_gang_restart(1)  # asked again before it finished: nothing more
+        await member.on_engine_death()  # its engine dies as the gang's stops: left to it
+        await member._gang_task
     asyncio.run(run())
-    assert member.restarted and member.dp_round == "1" and member._dp_epoch == 1
-    assert member._coordinator.member_restarting.calls == []
-    assert member._restart_error.endswith("RuntimeError: not in this test")  # the fake's
-    member._restart_error, member.restarted = None, False
-    member._on_gang_restart(1)  # a number it has restarted under already
-    assert not member.restarted and not member._restarting
+    assert engine.restarted and engine.dp_round == "1" and member.dp_epoch == 1
+    assert member.server._coordinator.member_restarting.calls == []
+    assert member.error.endswith("RuntimeError: not in this test")  # the fake's
+    member.error, engine.restarted = None, False
+    member.on_gang_restart(1)  # a number it has restarted under already
+    assert not engine.restarted and not member.is_restarting

@@ -213,10 +213,11 @@ def test_unknown_passthrough_options_name_the_nearest():
 def test_replica_classes_are_built_on_rays_public_names():
     from ray.serve.llm.deployment import DPServer, LLMServer
 
-    from engram_ray.serve.replica import EngramDPServer, EngramLLMServer
+    from engram_ray.serve.member.server import EngramDPServer, EngramLLMServer
 
     assert issubclass(EngramLLMServer, LLMServer) and issubclass(EngramDPServer, DPServer)
-    source = (Path(__file__).resolve().parents[3] / "engram_ray" / "serve" / "replica.py")
+    source = (Path(__file__).resolve().parents[3] / "engram_ray" / "serve" / "member"
+              / "server.py")
     imports = [line for line in source.read_text().splitlines()
                if line.startswith(("from ray", "import ray"))]
     assert imports and not any("_internal" in line for line in imports)

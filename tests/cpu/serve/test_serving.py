@@ -10,10 +10,11 @@ import pytest
 
 from engram_ray.errors import EngramRayError
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
-from engram_ray.serve.app import engine_kwargs, llm_config, server_class
+from engram_ray.serve.app import llm_config, server_class
 from engram_ray.serve.cluster_configs import load_serve_config
-from engram_ray.serve.replica import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer, EngramLLMServer,
-                                      peer_group_settings)
+from engram_ray.serve.engine_args import engine_kwargs
+from engram_ray.serve.member.server import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
+                                            EngramLLMServer, peer_group_settings)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
@@ -168,7 +169,7 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
     from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.metrics.exposition import MetricsServer
     from engram_ray.serve.config import ServeAppConfig
-    from engram_ray.serve.replica import EngramServerMixin
+    from engram_ray.serve.member.server import EngramServerMixin
 
     taken = MetricsServer([], "127.0.0.1", 0)
     raw = _raw("serve_local_tiny.yaml", tmp_path, "taken-port")
@@ -271,7 +272,7 @@ def test_kv_cache_capacity_counts_k_and_v_but_one_latent_for_mla():
 
     import torch
 
-    from engram_ray.serve.kv_cache import formula_capacity
+    from engram_ray.serve.member.kv_cache import formula_capacity
 
     def config(use_mla):
         model = SimpleNamespace(dtype=torch.bfloat16, use_mla=use_mla,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 # Under Ray Serve's logger, which writes the replica's log.
 logger = logging.getLogger("ray.serve.engram_ray.kv_cache")
 
-KV_PROBE_CLS = "engram_ray.serve.kv_cache.KVCacheProbe"
+KV_PROBE_CLS = "engram_ray.serve.member.kv_cache.KVCacheProbe"
 KV_PROBE_METHOD = "engram_kv_cache_bytes"
 PROBE_TIMEOUT_S = 60.0
 

@@ -12,24 +12,24 @@ every new gang id. Start of a replica (`start`, before vLLM starts):
   ─► KV-cache capacity and a stat logger feeding KV usage and step time.
 Failure: a member whose engine dies (EngineCore or a worker) restarts that engine in place, in
 its generation, re-attaching its slices from the slice holder this replica runs, with the
-other members of its data-parallel gang if it has one (`engram_ray.serve.member_restart`);
+other members of its data-parallel gang if it has one (`restart`);
 the group's other members (other DP gangs) serve throughout and the
 ingress sends the member nothing until it is back. A member lost otherwise (its replica, GPU or
 node, a restart that failed, health checks failed as many times in a row as make Serve restart
 it; one failure that passes next time is not a loss) makes Serve stop every member of its gang
 and start a new gang (RESTART_GANG), so no engine serves next to peers of another generation.
-The replica tells the coordinator within a fraction of a second (`_watch_engine`), and the
+The replica tells the coordinator within a fraction of a second (`engine.MemberEngine`), and the
 coordinator pings every member's actor; the ingress routes by what the coordinator says
 (`engram_ray.serve.ingress`). Answers carry the generation id that produced them
 (`system_fingerprint`).
 """
 
-# Over 300 lines: one replica's whole life (engine start, group join, engine watch, reports to
-# the coordinator, shutdown) is one mixin over Ray Serve LLM's two server classes.
+# Over 300 lines: Serve's hooks of one member over Ray Serve LLM's two server classes (its start
+# with join, holder and metrics endpoints; health check; requests; stop). Each hands its work
+# to one of the member's parts (`engram_ray.serve.member`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -44,30 +44,23 @@ from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
 from engram_ray.metrics.exposition import (PROCESS_METRICS_KEY, MetricsServer, metrics_port,
                                            port_name)
 from engram_ray.planning.assignment import deaths_dir
-from engram_ray.serve.coordinator_link import CoordinatorLinkMixin
-from engram_ray.serve.engine_death import EngineDiedError, EngineWatch
-from engram_ray.serve.engine_shm import (record_segments, recording_segments,
-                                         release_leftovers)
-from engram_ray.serve.kv_cache import engine_capacity
-from engram_ray.serve.stat_logger import EngramStatLogger
-from engram_ray.serve.member_restart import MemberRestartMixin, end_engine, own_actor
-from engram_ray.serve.member_roll import MemberRollMixin
+from engram_ray.serve.member.engine import MemberEngine
+from engram_ray.serve.member.engine_death import EngineDiedError, EngineWatch
+from engram_ray.serve.member.engine_shm import recording_segments, release_leftovers
+from engram_ray.serve.member.kv_cache import engine_capacity
+from engram_ray.serve.member.link import CoordinatorLink
+from engram_ray.serve.member.processes import end_engine, own_actor
+from engram_ray.serve.member.requests import MemberRequests
+from engram_ray.serve.member.restart import InPlaceRestart
+from engram_ray.serve.member.roll import SettingsRoll
+from engram_ray.serve.member.stat_logger import EngramStatLogger
 from engram_ray.tables.settings import PeerGroupSettings
 
 APP_CONFIG_KEY = "engram_app"
 GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
-# The engine's shared-memory segments are recorded again at a health check this often (some
-# exist only once it serves; engram_ray.serve.engine_shm).
-RECORD_SEGMENTS_EVERY_S = 10.0
-ENGINE_WATCH_PERIOD_S = 0.1  # how often a replica looks whether its engine is still alive
 # Failed health checks in a row after which Serve restarts a replica (and so its gang).
 FAILED_CHECKS_TO_RESTART = REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
 logger = logging.getLogger("ray.serve")
-
-
-class MemberRetiredError(EngramRayError):
-    """This member's gang was replaced by a rolling change (a group failure for the ingress:
-    the request goes elsewhere)."""
 
 
 def peer_group_settings(assignment: dict, dp_rank: int = 0,
@@ -82,19 +75,31 @@ def peer_group_settings(assignment: dict, dp_rank: int = 0,
                              **{key: assignment[key] for key in keys})
 
 
-class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixin):
-    """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring)."""
+class EngramServerMixin:
+    """Everything engram-ray adds to a Ray Serve LLM server class (see module docstring):
+    Serve's hooks (start, health check, requests, stop), each handed to the member's parts."""
+
+    _failed_checks = 0  # health checks failed in a row while the engine lives
+    _reported_broken = False
+
+    def _make_parts(self) -> None:
+        self._requests, self._member_engine = MemberRequests(), MemberEngine(self)
+        self._link, self._restarts = CoordinatorLink(self), InPlaceRestart(self)
+        self._roll = SettingsRoll(self)
 
     async def start(self):
-        from engram_ray.actors.coordinator_lookup import find_coordinator
-        from engram_ray.serve.app import engine_kwargs
-        from engram_ray.serve.config import ServeAppConfig
+        import asyncio
 
+        from engram_ray.actors.coordinator_lookup import find_coordinator
+        from engram_ray.serve.config import ServeAppConfig
+        from engram_ray.serve.engine_args import engine_kwargs
+
+        self._make_parts()
         raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]
         self._app = ServeAppConfig.from_dict(raw, "replica")
         build_kwargs = engine_kwargs(self._app)  # what the build set; the rest is the class's
-        self._own_kwargs = {k: v for k, v in self._llm_config.engine_kwargs.items()
-                            if k not in build_kwargs}
+        self._member_engine.own_kwargs = {k: v for k, v in self._llm_config.engine_kwargs.items()
+                                          if k not in build_kwargs}
         self._coordinator = find_coordinator(self._app.deployment.name)
         self._replica_id, gang, labels = self._replica()
         self._replica_labels = labels
@@ -102,9 +107,9 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
         group_id = self._llm_config.experimental_configs[GROUP_KEY]["group_id"]
         self._assignment = a = await self._coordinator.join.remote(
             group_id, gang.gang_id, gang.rank, gang.world_size, self._replica_id, labels)
-        self._start_link()  # kept across the coordinator's restarts
+        self._link.start()  # kept across the coordinator's restarts
         try:  # from here on this replica holds a rank: a failure gives it back at once
-            await self._take_settings()  # the engine settings the coordinator holds now
+            await self._roll.take_settings()  # the engine settings the coordinator holds now
             app = self._app
             await asyncio.to_thread(release_leftovers)  # what killed replicas left here
             from engram_ray.private_dirs import private_dir
@@ -117,21 +122,20 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             await self._start_member(a)
             self.engram_metrics.set_group(a["generation_index"], True,
                                           rendezvous_seconds=time.perf_counter() - joined_at)
-            await self._engine_started()
-            self._ready_at = time.time()
+            await self._member_engine.started()
+            self._link.ready_at = time.time()
             await self._coordinator.member_ready.remote(self._replica_id, own_actor(),
-                                                        self._config_version)
+                                                        self._roll.version)
             # Watched from here: a member of a gang started beside a serving one whose engine
             # dies before the takeover breaks that gang (the serving one goes on).
-            self._engine_watch_task = asyncio.get_running_loop().create_task(
-                self._watch_engine())
-            await self._take_over_when_drained(app.serving.rollout.drain_timeout_s
-                                               + 2 * app.deployment.rendezvous_timeout_s)
-            self._start_returned = True
+            self._member_engine.start_watching()
+            await self._link.take_over_when_drained(app.serving.rollout.drain_timeout_s
+                                                    + 2 * app.deployment.rendezvous_timeout_s)
+            self._link.start_returned = True
         except BaseException as exc:
             logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)
             await self._leave()
-            death = self._engine_death("while starting")
+            death = self._member_engine.find_death("while starting")
             if death is None:
                 raise
             raise EngineDiedError(death.line()) from None
@@ -163,15 +167,15 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             self._replica_id, self._node_id)
         settings = peer_group_settings(a, getattr(self, "dp_rank", 0),
                                        holders=getattr(self, "_holder", None) is not None)
-        self._member_additional = {**settings.to_additional_config(), PROCESS_METRICS_KEY: {
+        self._member_engine.additional = {**settings.to_additional_config(), PROCESS_METRICS_KEY: {
             **identity.labels(), "bind_address": app.serving.metrics_bind_address,
             "advertise_host": ray.util.get_node_ip_address(),
             "target_file": self._model_target_file,
             "port": metrics_port(app.serving.metrics_port, slot, "model")}}
         # The app's engine arguments, the ones this replica adds and the KV-cache probe (the
-        # replica reads the workers' exact KV-cache bytes: engram_ray.serve.kv_cache), set in
-        # LLMConfig and its cached engine config alike (`MemberRollMixin._set_engine_kwargs`).
-        self._set_engine_kwargs(app)
+        # replica reads the workers' exact KV-cache bytes: engram_ray.serve.member.kv_cache), set
+        # in LLMConfig and its cached engine config alike (`MemberEngine.set_kwargs`).
+        self._member_engine.set_kwargs(app)
         # Table, host and gain bytes are not set from the plan here: the model process
         # reports what its tables really allocated (an engine that never got its peer-group
         # settings then shows no split instead of the planned one).
@@ -182,46 +186,18 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
                                              metrics_port(app.serving.metrics_port, slot,
                                                           "replica"),
                                              advertise_host=ray.util.get_node_ip_address())
-        await self._register_target(self._replica_id, self._metrics_server.target,
-                                    self._target_labels("replica"))
-        self._engine_watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
+        await self._link.register_target(self._replica_id, self._metrics_server.target,
+                                         self._target_labels("replica"))
+        self._member_engine.watch = EngineWatch(identity.engine, self._replica_id, deaths_dir(
             app.deployment.peer_group_store, app.deployment.name))
         with recording_segments(self._replica_id):  # a death while starting too
             await super().start()
 
-    def _engine_death(self, phase: str):
-        """The engine's death (`engine_death.EngineDeath`) if its processes or log show one;
-        logged and recorded for `engram-ray local`."""
-        watch = getattr(self, "_engine_watch", None)
-        if watch is None:  # failed before its engine started
-            return None
-        if getattr(self, "_death", None) is not None:  # Serve checks a few times before it
-            return self._death                          # stops the replica: one report
-        death = watch.find(phase, getattr(getattr(self, "engine", None), "_engine_client", None))
-        self._death = death
-        if death is not None:
-            logger.error("engram-ray: %s", death.line())
-            watch.report(death)
-        return death
-
-    async def _watch_engine(self) -> None:
-        """Act on the engine's death the moment vLLM's client knows it (`AsyncLLM.errored`:
-        its engine-core process is gone) or one of its processes is seen gone (a worker: its
-        EngineCore may take seconds to give up): restart it in place, or report the member
-        lost so that the ingress stops sending this group requests (`member_restart`)."""
-        client = getattr(getattr(self, "engine", None), "_engine_client", None)
-        if client is None or not hasattr(client, "errored"):
-            return
-        processes = getattr(self, "_engine_processes", None)
-        while not client.errored and not (processes is not None and processes.any_exited()):
-            await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
-        await self._on_engine_death()
-
     async def _report_broken(self, reason: str) -> None:
-        if getattr(self, "_reported_broken", False):
+        if self._reported_broken:
             return
         self._reported_broken = True
-        self._lost_reason = reason
+        self._link.lost_reason = reason
         try:
             await self._coordinator.report_broken.remote(self._replica_id, reason)
         except Exception as exc:  # the coordinator's own watch still finds the replica
@@ -235,8 +211,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             with open(self._model_target_file) as f:
                 target = json.load(f)["target"]
             os.unlink(self._model_target_file)
-            await self._register_target(f"{self._replica_id}/model", target,
-                                        self._target_labels("model"))
+            await self._link.register_target(f"{self._replica_id}/model", target,
+                                             self._target_labels("model"))
 
     def _target_labels(self, endpoint: str) -> dict:
         """Labels of one of this engine's Prometheus targets: `endpoint` (its port name with
@@ -263,19 +239,18 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
                 self.engram_metrics, capacity.capacity_bytes, capacity.capacity_tokens))
 
     async def check_health(self) -> None:
-        if self._restart_error is not None:
-            raise EngineDiedError(self._restart_error)
-        client = getattr(getattr(self, "engine", None), "_engine_client", None)
-        watch = getattr(self, "_engine_watch_task", None)
-        if self._restarting or (getattr(client, "errored", False) and self.can_restart_in_place()
-                                and watch is not None and not watch.done()):
+        restarts, engine = self._restarts, self._member_engine
+        if restarts.error is not None:
+            raise EngineDiedError(restarts.error)
+        if restarts.is_restarting or (getattr(engine.client, "errored", False)
+                                      and restarts.can_restart() and engine.is_watched()):
             return  # the engine restarts in place (or its watch is about to start it)
         try:
             await super().check_health()
         except Exception as exc:
             # A dead engine breaks the generation now; a check that fails and then passes
             # does not: only as many failures in a row as make Serve restart the replica.
-            death = self._engine_death("while serving")
+            death = engine.find_death("while serving")
             self._failed_checks += 1
             if getattr(self, "_assignment", None) is not None and (
                     death is not None or self._failed_checks >= FAILED_CHECKS_TO_RESTART):
@@ -286,31 +261,21 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
             raise EngineDiedError(death.line()) from None
         self._failed_checks = 0
         if getattr(self, "_assignment", None) is not None:
-            self._tell_running()
-        recorded_at = getattr(self, "_segments_recorded_at", None)  # None: not started yet
-        if recorded_at is not None and time.monotonic() - recorded_at >= RECORD_SEGMENTS_EVERY_S:
-            self._segments_recorded_at = time.monotonic()
-            await asyncio.to_thread(record_segments, self._replica_id)
+            self._link.tell_running()
+        await engine.record_segments_if_due()
 
     async def completions(self, request, raw_request_info=None):
-        self._refuse_if_retired()
-        return await self._counted(super().completions, request, raw_request_info)
+        return await self._answer(super().completions, request, raw_request_info)
 
     async def chat(self, request, raw_request_info=None):
-        self._refuse_if_retired()
-        return await self._counted(super().chat, request, raw_request_info)
+        return await self._answer(super().chat, request, raw_request_info)
 
-    def _refuse_if_retired(self) -> None:
-        """A member whose gang a rolling change replaced, or whose engine is about to restart
-        with new settings, takes no new request: the ingress sends it to a member that serves
-        (nothing was sent yet)."""
-        if self._draining:
-            raise MemberRetiredError(f"{self._assignment['group_id']} member "
-                                     f"{self._assignment['member_rank']} restarts its engine "
-                                     "with new settings")
-        if self._retired:
-            raise MemberRetiredError(f"{self._assignment['group_id']} generation "
-                                     f"{self._assignment['generation']} was replaced")
+    async def _answer(self, call, request, raw_request_info):
+        """A request, unless the member is retired or draining (`MemberRetiredError`: the
+        ingress sends it to a member that serves), counted and tagged."""
+        self._requests.refuse_if_retired(self._assignment)
+        return await self._requests.counted(call, request, raw_request_info,
+                                            self._assignment["generation"], self._roll.version)
 
     @classmethod
     def get_deployment_options(cls, llm_config):
@@ -321,7 +286,7 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
         return options
 
     async def _leave(self) -> None:
-        self._stop_link()
+        self._link.stop()
         target_file = getattr(self, "_model_target_file", None)
         if target_file is not None:  # a start that failed before the handover read it
             try:
@@ -348,8 +313,8 @@ class EngramServerMixin(CoordinatorLinkMixin, MemberRestartMixin, MemberRollMixi
         try:
             await super().__del__()
         finally:  # Serve's own stop leaves the engine running
-            end_engine(getattr(getattr(self, "engine", None), "_engine_client", None),
-                       getattr(self, "_engine_processes", None))
+            engine = getattr(self, "_member_engine", None)
+            end_engine(engine and engine.client, engine and engine.processes)
 
 
 def _remove_if_empty(folder: str) -> None:
@@ -379,7 +344,7 @@ class EngramDPServer(EngramServerMixin, DPServer):
         from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import (
             TIMEOUT_SECONDS)
 
-        from engram_ray.serve.dp_gang import meet_dp_master
+        from engram_ray.serve.member.dp_gang import meet_dp_master
 
         gang = serve.get_replica_context().gang_context
         self.dp_size = llm_config.engine_kwargs["data_parallel_size"]
