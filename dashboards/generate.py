@@ -112,6 +112,17 @@ def memory_dashboard() -> dict:
                    "healthy {{peer_group}}"),
             target(f"max by (peer_group) (engram_group_generation{{{SEL}}})",
                    "generation {{peer_group}}")]),
+        panel("Engines restarting in place", "short", [
+            target(f"max by (engine) (engram_engine_restarting{{{SEL}}})",
+                   "restarting {{engine}}"),
+            target(f"sum by (engine) (increase(engram_engine_restarts_total{{{SEL}}}[1h]))",
+                   "restarts in the last hour {{engine}}")],
+            "1 while an engine restarts inside its replica (its group serves on the others); "
+            "restarts in place counted per engine"),
+        panel("Slices re-attached at the engine's start", "short", [target(
+            f"max by (engine) (engram_slices_reattached{{{SEL}}})", by_engine)],
+            "1: the engine mapped its slices from their holders (a restart in place, no "
+            "checkpoint read); 0: it filled them (a gang's first start)"),
     ])
 
 
@@ -141,6 +152,15 @@ def step_time_dashboard() -> dict:
 UNHEALTHY_FOR = "2m"
 ENGINE_DOWN_FOR = "2m"
 CHURN_RESTARTS_PER_HOUR = 3
+# serving.rollout.in_place_timeout_s's default (600 s) gives a restart in place up: one that
+# lasts longer runs with a raised deadline, or is stuck.
+RESTART_SLOW_FOR = "10m"
+ENGINE_RESTARTS_PER_HOUR = 3
+# The engines' own endpoints, whatever the scrape job is called: `endpoint` is the file_sd
+# label the coordinator gives each target (replica / model, or engram-<s>[-model] with fixed
+# ports) and the port name Prometheus Operator's PodMonitor puts there (engram-<s>[-model]).
+ENGINE_ENDPOINTS = 'endpoint=~"replica|model|engram-[0-9]+(-model)?"'
+
 HEADROOM_LOW_RATIO = 0.1
 HEADROOM_LOW_FOR = "10m"
 ALERTS_FILE = "engram_alerts.yml"
@@ -156,7 +176,8 @@ def alert(name: str, expr: str, duration: str, severity: str, summary: str,
 
 def build_rules() -> dict:
     """Prometheus rule file (alerting rules) over the series the engines export
-    (engram_ray.metrics.engine): unhealthy / not-serving peer groups, generation churn, KV headroom."""
+    (engram_ray.metrics.engine): not-serving peer groups, engines down, generation churn,
+    engines restarting in place too long or too often, KV headroom."""
     return {"groups": [{"name": "engram-ray", "rules": [
         alert("EngramPeerGroupUnhealthy",
               f"min by ({GROUP_BY}) (engram_group_healthy) == 0", UNHEALTHY_FOR, "critical",
@@ -165,7 +186,7 @@ def build_rules() -> dict:
               "reports its group incomplete or not serving (engram_group_healthy 0) for "
               f"{UNHEALTHY_FOR}: the ingress routes around it; its capacity is lost."),
         alert("EngramEngineDown",
-              'up{job="engram"} == 0', ENGINE_DOWN_FOR, "critical",
+              f"up{{{ENGINE_ENDPOINTS}}} == 0", ENGINE_DOWN_FOR, "critical",
               "Engine metrics endpoint {{ $labels.instance }} is down",
               "Prometheus cannot scrape engine {{ $labels.instance }} for "
               f"{ENGINE_DOWN_FOR}: the engine (or its node) is gone, so its peer group "
@@ -177,6 +198,24 @@ def build_rules() -> dict:
               "engram_group_generation of peer group {{ $labels.peer_group }} changed more "
               f"than {CHURN_RESTARTS_PER_HOUR} times in the last hour: the group keeps "
               "restarting (a member crashes, or the rendezvous fails); check the engine logs."),
+        alert("EngramEngineRestartSlow",
+              f"max by ({GROUP_BY}, engine) (engram_engine_restarting) == 1", RESTART_SLOW_FOR,
+              "warning",
+              "Engine {{ $labels.engine }} has been restarting in place for "
+              f"{RESTART_SLOW_FOR}",
+              "Engine {{ $labels.engine }} of peer group {{ $labels.peer_group }} has been "
+              f"restarting inside its replica for {RESTART_SLOW_FOR} (its group serves on the "
+              "others with one engine less): past serving.rollout.in_place_timeout_s the "
+              "member is given up and its gang restarts; check the replica's log."),
+        alert("EngramEngineRestartChurn",
+              f"max by ({GROUP_BY}, engine) (increase(engram_engine_restarts_total[1h])) "
+              f"> {ENGINE_RESTARTS_PER_HOUR}", "0m", "warning",
+              "Engine {{ $labels.engine }} restarted in place more than "
+              f"{ENGINE_RESTARTS_PER_HOUR} times in an hour",
+              "Engine {{ $labels.engine }} of peer group {{ $labels.peer_group }} restarted in "
+              f"place more than {ENGINE_RESTARTS_PER_HOUR} times in the last hour (each one "
+              "costs the group an engine for tens of seconds): its engine keeps dying; check "
+              "the replica's log for the cause (engram-ray status, `engine died`)."),
         alert("EngramKVCacheHeadroomLow",
               "min by (cluster, job, model, peer_group, engine) (engram_kv_cache_headroom_bytes"
               " / (engram_kv_cache_capacity_bytes > 0)) "

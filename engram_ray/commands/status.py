@@ -3,8 +3,8 @@
 current generation (and how many came before), members, how many are ready, and whether the
 ingress sends it requests (else why not).
 
-    engram-ray status                                  # RAY_ADDRESS, else the local cluster
-    engram-ray status --address 10.0.0.1:6379 --name dsv41-flash
+    engram-ray status                   # RAY_ADDRESS, else the local cluster; its deployment
+    engram-ray status --address 10.0.0.1:6379 --name dsv41-flash   # one of several
     engram-ray status --json
 """
 
@@ -23,10 +23,35 @@ def configure(parser) -> None:
     parser.add_argument("--address", default="auto",
                         help="Ray cluster to connect to (GCS address host:port; 'auto' uses "
                              "RAY_ADDRESS or the cluster started on this node)")
-    parser.add_argument("--name", default="engram",
-                        help="the deployment's deployment.name")
+    parser.add_argument("--name", default=None,
+                        help="the deployment's deployment.name (default: the cluster's one "
+                             "deployment; with several, they are listed)")
     parser.add_argument("--json", action="store_true",
                         help="print status and routing as JSON")
+
+
+def deployment_names() -> list[str]:
+    """The deployment names of every coordinator on the cluster (Ray connected)."""
+    import ray
+
+    from engram_ray.actors.coordinator import coordinator_name
+
+    prefix = coordinator_name("")
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == "engram" and a["name"].startswith(prefix))
+
+
+def the_deployment() -> str:
+    """The cluster's one deployment; EngramRayError naming them when there are none or
+    several."""
+    names = deployment_names()
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise EngramRayError("no engram-ray deployment on this cluster (no coordinator in "
+                             "namespace engram): is it running, and is this its cluster?")
+    raise EngramRayError(f"{len(names)} engram-ray deployments on this cluster: "
+                         f"{', '.join(names)}; choose one with --name")
 
 
 def collect(name: str) -> dict:
@@ -111,11 +136,12 @@ def run(args) -> int:
                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                              ) from None
     try:
-        groups = collect(args.name)
+        name = args.name or the_deployment()
+        groups = collect(name)
     finally:
         ray.shutdown()
     if args.json:
         print(json.dumps(groups, indent=2, sort_keys=True, default=str))
     else:
-        print(format_status(args.name, groups))
+        print(format_status(name, groups))
     return 0

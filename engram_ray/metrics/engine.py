@@ -82,6 +82,7 @@ class EngineMetrics:
         self._labels = identity.labels()
         self._rows_seen = {"local": 0, "remote": 0}
         self._drains: list = []
+        self._member_series = False  # restarting and restarts exported (`set_group`)
         # The model process's own /metrics endpoint (exposition.start_process_metrics).
         self.server = None
         # First in the registry: a scrape publishes pending lookup samples before it reads
@@ -126,8 +127,13 @@ class EngineMetrics:
                                         "the last peer-group rendezvous", E, registry=r)
         self.generation = Gauge("engram_group_generation", "Peer-group generation (bumped on "
                                 "every restart of the group)", E, registry=r)
-        self.healthy = Gauge("engram_group_healthy", "1 while the engine's peer group is "
-                             "complete and serving, else 0", E, registry=r)
+        self.healthy = Gauge("engram_group_healthy", "1 while the engine's peer group "
+                             "serves (its members complete; one restarting its engine in "
+                             "place leaves it serving), else 0", E, registry=r)
+        self.restarting = Gauge("engram_engine_restarting", "1 while this member's engine "
+                                "restarts in place (engine death, its DP gang's, or a "
+                                "settings roll): its group serves on the other members", E,
+                                registry=r)
         self.reattached = Gauge("engram_slices_reattached", "1 when this engine mapped its "
                                 "table slices from their holders after an engine restart (no "
                                 "checkpoint read, no rendezvous), 0 when it filled them", E,
@@ -213,8 +219,15 @@ class EngineMetrics:
     def count_engine_restart(self) -> None:
         self.engine_restarts.labels(**self._labels).inc()
 
+    def set_restarting(self, is_restarting: bool) -> None:
+        self.restarting.labels(**self._labels).set(1 if is_restarting else 0)
+
     def set_group(self, generation: int, is_healthy: bool,
                   rendezvous_seconds: float | None = None) -> None:
+        if not self._member_series:  # a member's restart series from its first report on
+            self._member_series = True
+            self.set_restarting(False)
+            self.engine_restarts.labels(**self._labels)
         self.generation.labels(**self._labels).set(generation)
         self.healthy.labels(**self._labels).set(1 if is_healthy else 0)
         if rendezvous_seconds is not None:

@@ -6,19 +6,21 @@ from __future__ import annotations
 from engram_ray.serve.config import ServeAppConfig
 
 
-def engine_kwargs(app: ServeAppConfig) -> dict:
+def engine_kwargs(app: ServeAppConfig, on_engine_node: bool = False) -> dict:
     """vLLM engine arguments of every replica (the peer-group settings are added per replica).
 
     CUDA graphs and prefix caching as vLLM decides, except for architectures that need other
     settings (`engram_ray.vllm.engine_settings`: the tiny model's per-KV-slot n-gram
-    history needs eager mode and no prefix caching). `serving.host_kv_cache_gib` becomes
-    vLLM's `kv_offloading_size` (native CPU KV-cache offloading, GiB per engine)."""
+    history needs eager mode and no prefix caching), read from the model's config.json where
+    it can be: `on_engine_node` (a member, on its own node) refuses a config it cannot read;
+    the build leaves them to the members then. `serving.host_kv_cache_gib` becomes vLLM's
+    `kv_offloading_size` (native CPU KV-cache offloading, GiB per engine)."""
     from engram_ray.planning.host_kv import KV_OFFLOADING_ARG
     from engram_ray.vllm.engine_settings import architecture_engine_kwargs
 
     srv = app.serving
     kwargs = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "disable_log_stats": False,
-              **architecture_engine_kwargs(srv.model_source)}
+              **architecture_engine_kwargs(srv.model_source, on_engine_node)}
     if srv.max_model_len is not None:
         kwargs["max_model_len"] = srv.max_model_len
     if srv.data_parallel_size > 1:

@@ -2,8 +2,11 @@
 
 Everything else runs as vLLM decides (DeepSeek-V4.1: CUDA graphs on, prefix caching as vLLM
 chooses for the model). The architecture comes from the model's `config.json`: a local folder,
-or the Hugging Face cache for a hub id. A model whose config cannot be read gets the settings
-every engram-ray model runs correctly with (eager, no prefix caching), with a warning.
+or the Hugging Face cache for a hub id, read where the engines run (each replica sets its
+engine's arguments on its own node, `engram_ray.serve.member.engine`): the app's build may run
+on a head node without the model's folder, and then sets none of them. An engine whose node
+cannot read it is refused, naming the path: no model runs with another model's settings (the
+tiny model's eager mode would turn CUDA graphs off on every engine of a cluster).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+from engram_ray.errors import EngramRayError
 from engram_ray.vllm.tiny_checkpoint import ARCHITECTURE as TINY_ARCHITECTURE
 
 logger = logging.getLogger(__name__)
@@ -42,14 +46,22 @@ def model_architectures(model_source: str) -> list[str] | None:
         return None
 
 
-def architecture_engine_kwargs(model_source: str) -> dict:
-    """Engine kwargs the model's architecture needs (module doc); {} = vLLM's defaults."""
+def architecture_engine_kwargs(model_source: str, on_engine_node: bool = False) -> dict:
+    """Engine kwargs the model's architecture needs (module doc); {} = vLLM's defaults, or
+    (not `on_engine_node`: the app's build) a config not readable here, which the engines
+    read where they run. `on_engine_node`: EngramRayError naming the path if it cannot be
+    read there."""
     architectures = model_architectures(model_source)
     if architectures is None:
-        logger.warning("no config.json readable for %s: running it eager without prefix "
-                       "caching (what the tiny Engram model needs); make the model folder "
-                       "readable where the app is built to get vLLM's defaults", model_source)
-        return dict(NGRAM_HISTORY_SETTINGS)
+        if on_engine_node:
+            raise EngramRayError(
+                f"no config.json readable for serving.model_source {model_source!r} on this "
+                "engine's node: the engine could not load the model either; mount or copy the "
+                "model folder to the same path on every engine node (or give a Hugging Face id "
+                "that is in this node's cache)")
+        logger.info("no config.json readable for %s where the app is built: each engine "
+                    "reads its architecture's settings on its own node", model_source)
+        return {}
     settings = {}
     for architecture in architectures:
         settings.update(ARCHITECTURE_SETTINGS.get(architecture, {}))

@@ -53,8 +53,11 @@ class InPlaceRestart:
 
     def note(self, reason: str | None) -> None:
         """Why the engine restarts from now (`None`: it serves again), for the coordinator's
-        rebuild (`CoordinatorLink.record`)."""
+        rebuild (`CoordinatorLink.record`) and `engram_engine_restarting`."""
         self.reason, self.since = reason, time.time()
+        metrics = getattr(self.server, "engram_metrics", None)
+        if metrics is not None:
+            metrics.set_restarting(reason is not None)
 
     def can_restart(self) -> bool:
         """Whether the member's holder keeps every slice its new engine re-attaches."""
@@ -94,8 +97,7 @@ class InPlaceRestart:
                     return
             self.dp_epoch = epoch
             started, a = time.monotonic(), server._assignment
-            self.note(reason)
-            server.engram_metrics.set_group(a["generation_index"], False)
+            self.note(reason)  # the group serves on: engram_group_healthy stays 1
             deadline_s = server._app.serving.rollout.in_place_timeout_s
             try:  # a restart that hangs is given up: the member is lost, the gang restarts
                 phases = await asyncio.wait_for(server._member_engine.restart(str(epoch)),
@@ -142,6 +144,9 @@ class InPlaceRestart:
         restarts the group's gang) and its generation is reported broken."""
         self.error = reason
         logger.error("engram-ray: %s", reason)
+        metrics = getattr(self.server, "engram_metrics", None)
+        if metrics is not None:  # its generation breaks: the group does not serve
+            metrics.set_group(self.server._assignment["generation_index"], False)
         await self.server._report_broken(reason)
 
 

@@ -3,6 +3,7 @@ coordinator's long-polled routing table and member watch on a real local Ray, an
 ingress's view of it. (The whole path under load, with engines killed: test_faults.py.)"""
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -547,3 +548,45 @@ def test_groups_take_over_one_at_a_time_so_that_another_always_serves(tmp_path):
     status = book.status()
     assert status["group-1"]["retired"] and status["group-1"]["starting"] is None
     assert book.routing()["group-0"]["serving"] and not book.routing()["group-1"]["serving"]
+
+
+def test_a_build_whose_check_fails_makes_and_changes_no_coordinator(ray_local, tmp_path):
+    """`get_coordinator(..., check=)` (build_app's checks against vLLM's option names): a
+    check that fails makes no coordinator, and one with members is not reconfigured; a change
+    refused by the rollout mode is refused before the check runs (Serve builds a refused
+    deploy four times: none of them imports vLLM for nothing)."""
+    ray = ray_local
+    from engram_ray.actors.coordinator_lookup import find_coordinator, get_coordinator
+    from engram_ray.errors import ConfigError, EngramRayError
+
+    def typo():
+        raise ConfigError("serving.engine_kwargs.gpu_memory_utilisation",
+                          "is not a vLLM engine argument")
+
+    raw = _raw(tmp_path, "checked")
+    raw["deployment"]["peer_group_size"] = 1
+    domains = {"group-0": "a"}
+    with pytest.raises(ConfigError, match="gpu_memory_utilisation"):
+        get_coordinator(raw, domains, "checked", check=typo)
+    with pytest.raises(ValueError):
+        find_coordinator("checked")  # none was made
+    checks = []
+    coordinator = get_coordinator(raw, domains, "checked", check=lambda: checks.append(1))
+    try:
+        assert checks == [1]
+        ray.get(coordinator.join.remote("group-0", "g0", 0, 1, "m0"))
+        ray.get(coordinator.member_ready.remote("m0"))
+        rolled = json.loads(json.dumps(raw))
+        rolled["serving"]["engine_kwargs"]["max_num_seqs"] = 64  # rolls in place
+        with pytest.raises(ConfigError):
+            get_coordinator(rolled, domains, "checked", check=typo)
+        made_with, _ = ray.get(coordinator.describe.remote())
+        assert made_with[0] == raw  # not reconfigured
+        regang = json.loads(json.dumps(raw))
+        regang["deployment"]["rendezvous_timeout_s"] = 299  # needs new gangs: refused
+        checks.clear()
+        with pytest.raises(EngramRayError, match="needs new gangs"):
+            get_coordinator(regang, domains, "checked", check=lambda: checks.append(1))
+        assert checks == []
+    finally:
+        ray.kill(coordinator)

@@ -1,6 +1,7 @@
 """`engram-ray status` against a real local Ray with a coordinator (no vLLM): the CLI, run as
 its own process, connects by address and prints each group's generation, members, ready count
-and serving state; a missing deployment name is one clear error line."""
+and serving state, of the cluster's one deployment without --name; a missing deployment name,
+or several deployments without one, is one clear error line."""
 
 import json
 import subprocess
@@ -85,6 +86,21 @@ def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path
         assert len(groups["group-0"]["history"]) == 1
         assert groups["group-0"]["generation"] != row0[2]
         assert not groups["group-0"]["serving"] and not groups["group-1"]["serving"]
+
+        # #46 item 2: without --name, the cluster's one deployment; with two, both listed.
+        alone = status(address)
+        assert alone.returncode == 0 and alone.stdout.startswith("deployment stat: "), \
+            alone.stderr
+        other = dict(raw, deployment={**raw["deployment"], "name": "stat2"})
+        second = get_coordinator(other, {"group-0": "a", "group-1": "b"}, "stat2")
+        try:
+            several = status(address)
+        finally:
+            ray.kill(second)
+        assert several.returncode == 2
+        assert several.stderr.strip().splitlines()[-1] == (
+            "engram-ray status: error: 2 engram-ray deployments on this cluster: stat, stat2; "
+            "choose one with --name")
 
         missing = status(address, "--name", "nope")
         assert missing.returncode == 2

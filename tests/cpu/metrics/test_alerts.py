@@ -21,6 +21,7 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=(
     "promtool not on PATH: it comes with Debian's prometheus package (bash scripts/setup.sh)"))
 
 G0 = 'model="m", peer_group="g0", engine="e0", rank="0", job="engram", instance="h:1"'
+KUBERAY_E2 = 'job="engram/dsv41-flash-h200-engines", endpoint="engram-0", instance="h:3"'
 G1 = 'model="m", peer_group="g1", engine="e1", rank="0", job="engram", instance="h:2"'
 GROUP0 = {"job": "engram", "model": "m", "peer_group": "g0"}
 
@@ -44,9 +45,21 @@ def unit_tests() -> dict:
         {"series": f"engram_kv_cache_headroom_bytes{{{G0}}}", "values": "500x29 50x90"},
         {"series": f"engram_kv_cache_capacity_bytes{{{G1}}}", "values": "1000x120"},
         {"series": f"engram_kv_cache_headroom_bytes{{{G1}}}", "values": "500x120"},
-        # e0's endpoint stops answering at minute 50.
-        {"series": 'up{job="engram", instance="h:1"}', "values": "1x49 0x70"},
-        {"series": 'up{job="engram", instance="h:2"}', "values": "1x120"},
+        # e0's endpoint stops answering at minute 50; on KubeRay (a PodMonitor's job, its
+        # port name as endpoint) e2's at minute 60; Ray's own export is no engine.
+        {"series": 'up{job="engram", endpoint="replica", instance="h:1"}',
+         "values": "1x49 0x70"},
+        {"series": 'up{job="engram", endpoint="replica", instance="h:2"}', "values": "1x120"},
+        {"series": f'up{{{KUBERAY_E2}}}', "values": "1x59 0x60"},
+        {"series": 'up{job="engram/dsv41-flash-h200", endpoint="metrics", instance="h:4"}',
+         "values": "0x120"},
+        # e0 restarts its engine in place 4 times from minute 20 on, the last one for 16 m
+        # (counted as each serves again: minutes 21, 23, 25, 42); e1 once, briefly.
+        {"series": f"engram_engine_restarting{{{G0}}}",
+         "values": "0x19 1 0 1 0 1 0 1x15 0x79"},
+        {"series": f"engram_engine_restarts_total{{{G0}}}", "values": "0x20 1x1 2x1 3x16 4x78"},
+        {"series": f"engram_engine_restarting{{{G1}}}", "values": "0x29 1 0x90"},
+        {"series": f"engram_engine_restarts_total{{{G1}}}", "values": "0x30 1x90"},
     ]
     def fires(name, at, labels, value=""):
         if labels is None:
@@ -57,6 +70,8 @@ def unit_tests() -> dict:
                                 for k, v in RULE[name]["annotations"].items()}}]}
     unhealthy, churn = "EngramPeerGroupUnhealthy", "EngramGenerationChurn"
     headroom, down = "EngramKVCacheHeadroomLow", "EngramEngineDown"
+    slow, restarts = "EngramEngineRestartSlow", "EngramEngineRestartChurn"
+    engine0 = {**GROUP0, "engine": "e0"}
     alerts = [
         fires(unhealthy, "9m", None), fires(unhealthy, "11m", None),  # not yet for 2 m
         fires(unhealthy, "13m", GROUP0),
@@ -65,7 +80,21 @@ def unit_tests() -> dict:
         fires(churn, "100m", None),  # the restarts were more than an hour ago
         fires(headroom, "35m", None),  # low, but not for 10 m yet
         fires(headroom, "45m", {**GROUP0, "engine": "e0"}),
-        fires(down, "49m", None), fires(down, "53m", {"job": "engram", "instance": "h:1"}),
+        fires(down, "49m", None),
+        fires(down, "53m", {"job": "engram", "endpoint": "replica", "instance": "h:1"}),
+        {"eval_time": "63m", "alertname": down, "exp_alerts": [
+            {"exp_labels": {**labels, "severity": "critical"},
+             "exp_annotations": {k: expand(v, labels, "")
+                                 for k, v in RULE[down]["annotations"].items()}}
+            for labels in ({"job": "engram", "endpoint": "replica", "instance": "h:1"},
+                           {"job": "engram/dsv41-flash-h200-engines", "endpoint": "engram-0",
+                            "instance": "h:3"})]},
+        fires(slow, "30m", None),  # restarting since minute 26: not for 10 m yet
+        fires(slow, "38m", engine0),
+        fires(slow, "45m", None),  # back at minute 42
+        fires(restarts, "30m", None),  # 3 restarts so far
+        fires(restarts, "45m", engine0),
+        fires(restarts, "90m", None),  # one restart in the last hour
     ]
     return {"rule_files": [str(RULES)], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alerts}]}
@@ -88,10 +117,11 @@ def test_rules_use_only_metrics_the_engines_export():
     from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
     defined = {m.name for m in EngineMetrics(EngineIdentity("m", "e", "g", 0)).registry.collect()}
     used = {name for r in generate.build_rules()["groups"][0]["rules"]
-            for name in re.findall(r"\bengram_[a-z_]+", r["expr"])}
+            for name in re.findall(r"\bengram_[a-z_]+", r["expr"].replace("_total", ""))}
     assert used and used <= defined, used - defined
     assert set(RULE) == {"EngramPeerGroupUnhealthy", "EngramEngineDown",
-                             "EngramGenerationChurn", "EngramKVCacheHeadroomLow"}
+                         "EngramGenerationChurn", "EngramKVCacheHeadroomLow",
+                         "EngramEngineRestartSlow", "EngramEngineRestartChurn"}
 
 
 def test_prometheus_config_loads_the_rules():
@@ -103,7 +133,7 @@ def test_prometheus_config_loads_the_rules():
 def test_promtool_check_rules():
     result = promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 4 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 @needs_promtool

@@ -60,6 +60,19 @@ class _Roll:
         return False
 
 
+class _Metrics:
+    """`EngineMetrics` as the restart reports to it: (series, value) in order."""
+
+    def __init__(self):
+        self.reports = []
+
+    def set_group(self, generation, is_healthy):
+        self.reports.append(("engram_group_healthy", int(is_healthy)))
+
+    def set_restarting(self, is_restarting):
+        self.reports.append(("engram_engine_restarting", int(is_restarting)))
+
+
 class _Server:
     """The server parts `InPlaceRestart` reaches; its holder full or not."""
 
@@ -73,7 +86,7 @@ class _Server:
             "in_place_timeout_s": deadline_s}}})
         self._assignment = {"generation_index": 1, "group_id": "group-0", "member_rank": 1,
                             "generation": "local-group-0.1"}
-        self.engram_metrics = type("Metrics", (), {"set_group": lambda *_: None})()
+        self.engram_metrics = _Metrics()
         self._restarts = InPlaceRestart(self)
 
     async def _report_broken(self, reason):
@@ -110,6 +123,10 @@ def test_a_restart_that_fails_loses_the_member_naming_why():
     assert member.error == ("engine of group-0-r1 could not restart in place: "
                             "RuntimeError: not in this test")
     assert member.server.reported == [member.error]
+    # The group serves on while the engine restarts; only the lost member breaks it.
+    assert member.server.engram_metrics.reports == [
+        ("engram_engine_restarting", 1), ("engram_group_healthy", 0),
+        ("engram_engine_restarting", 0)]
 
 
 def test_a_restart_that_does_not_serve_within_the_deadline_loses_the_member():

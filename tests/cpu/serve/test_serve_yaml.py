@@ -147,11 +147,12 @@ def test_engine_kwargs_typo_fails_engram_ray_check_and_build_app():
     data["applications"][0]["args"]["serving"]["engine_kwargs"]["gpu_memory_utilisation"] = 0.9
     with pytest.raises(ConfigError, match="gpu_memory_utilisation.*`gpu_memory_utilization`"):
         check_serve_config(data, "local.yaml")
-    from engram_ray.serve.app import build_app
+    from engram_ray.serve.app import check_library_options
 
-    # refused before any Ray call (build_app would otherwise make the coordinator first)
+    # build_app runs this check before it makes or changes a coordinator (test_routing:
+    # test_a_build_whose_check_fails_makes_and_changes_no_coordinator)
     with pytest.raises(ConfigError, match="gpu_memory_utilisation"):
-        build_app(data["applications"][0]["args"])
+        check_library_options(ServeAppConfig.from_dict(data["applications"][0]["args"]))
 
 
 def test_engine_kwargs_check_is_skipped_with_a_warning_without_vllm(monkeypatch, caplog):

@@ -26,16 +26,33 @@ def app_config(name: str):
 GROUP = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
 
 
+def _tiny_model_folder(tmp_path) -> str:
+    """A model folder whose config.json names the tiny model's architecture (a replica reads
+    its engine settings there, `engram_ray.vllm.engine_settings`)."""
+    from engram_ray.vllm.tiny_checkpoint import ARCHITECTURE
+
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": [ARCHITECTURE]}))
+    return str(folder)
+
+
 def _raw(name: str, tmp_path, deployment_name: str) -> dict:
     raw = app_config(name).to_dict()
     raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name=deployment_name)
-    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"))
-    raw["deployment"]["model"] = "deepseek-v4.1-flash"  # the coordinator's layout: a preset
+    model = _tiny_model_folder(tmp_path)
+    raw["serving"].update(prometheus_targets_file=str(tmp_path / "targets.json"),
+                          model_source=model)
+    raw["deployment"].update(model="deepseek-v4.1-flash",  # the coordinator's layout: a preset
+                             checkpoint=model)
     return raw
 
 
-def test_local_llm_config_is_one_cpu_bundle_per_engine():
+def test_local_llm_config_is_one_cpu_bundle_per_engine(tmp_path):
     app = app_config("serve_local_tiny.yaml")
+    model = _tiny_model_folder(tmp_path)
+    app = app.replace(deployment=app.deployment.replace(checkpoint=model),
+                      serving=app.serving.replace(model_source=model))
     config = llm_config(app, GROUP)
     assert server_class(app) is EngramLLMServer
     assert config.placement_group_config == {"bundles": [{"CPU": 1.0}]}
