@@ -32,7 +32,7 @@ gang started beside the serving one takes over once ready and the old one draine
 A change the build refuses is left here (`refuse`) for the groups' builds of the same deploy.
 
 Groups follow capacity (`_follow_capacity`): a group whose domain is lost is placed again in
-another with room (`engram_ray.serve.group_placement`).
+another with room (`engram_ray.serve.deploy.group_placement`).
 
 Lifetime (`actors/lifetime.py`): killed, it restarts and rebuilds its book from the members
 (`rejoin`, sent by `engram_ray.serve.member.link`); it ends with its Serve application,
@@ -73,8 +73,8 @@ class Coordinator(InPlaceRollMixin):
         from engram_ray.model.layout import load_layout
         from engram_ray.planning.generations import GenerationBook
         from engram_ray.planning.in_place_roll import InPlaceRoll
-        from engram_ray.serve.config import ServeAppConfig
-        from engram_ray.serve.config_change import config_version
+        from engram_ray.serve.settings.config import ServeAppConfig
+        from engram_ray.serve.settings.config_change import config_version
 
         restarted = is_restarted_actor()
         # Ray re-runs this constructor with its first arguments: a rolled-out config is kept.
@@ -104,8 +104,8 @@ class Coordinator(InPlaceRollMixin):
         self._changed = threading.Condition(self._lock)
         self._actors: dict[str, object] = {}  # replica id -> its actor, for the watch
         # Imported here, before the threads start: both use Ray Serve, and two threads
-        # importing it at once see it half-initialized (`engram_ray.serve.group_placement`).
-        from engram_ray.serve.group_placement import CapacityFollower
+        # importing it at once see it half-initialized (`engram_ray.serve.deploy.group_placement`).
+        from engram_ray.serve.deploy.group_placement import CapacityFollower
 
         threading.Thread(target=self._watch_members, daemon=True,
                          name="engram-member-watch").start()
@@ -162,9 +162,9 @@ class Coordinator(InPlaceRollMixin):
     def reconfigure(self, app_config_dict: dict, domains: dict[str, str]) -> None:
         """A changed config that rolls out (`get_coordinator`): new generations use it, the
         serving ones go on until their gangs are replaced; groups added or removed."""
-        from engram_ray.serve.config import ServeAppConfig
+        from engram_ray.serve.settings.config import ServeAppConfig
 
-        from engram_ray.serve.config_change import config_version
+        from engram_ray.serve.settings.config_change import config_version
 
         config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
         with self._lock:
@@ -363,9 +363,9 @@ class Coordinator(InPlaceRollMixin):
 
     def _follow_capacity(self, follower) -> None:
         """A group whose domain is lost is placed again in one with room (`follower`:
-        `engram_ray.serve.group_placement.CapacityFollower`); its new domain is kept here and in
-        the saved settings, so a restart or the next build keeps it there."""
-        from engram_ray.serve.group_placement import CHECK_PERIOD_S
+        `engram_ray.serve.deploy.group_placement.CapacityFollower`); its new domain is kept
+        here and in the saved settings, so a restart or the next build keeps it there."""
+        from engram_ray.serve.deploy.group_placement import CHECK_PERIOD_S
 
         last_error = None
         while True:

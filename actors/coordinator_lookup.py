@@ -67,7 +67,7 @@ def _rolls_out_or_refuse(coordinator, made_with, app_config_dict: dict, domains:
                          deployment_name: str) -> bool:
     """`rolls_out` (and room beside the groups for `beside`); a refusal is also left with the
     coordinator, so that the group applications' builds of this deploy fail with it at once."""
-    from engram_ray.serve.config_change import group_settings, rollout_mode
+    from engram_ray.serve.settings.config_change import group_settings, rollout_mode
 
     try:
         if not rolls_out(made_with[0], app_config_dict, deployment_name):
@@ -91,7 +91,7 @@ def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
     says); False when it is applied whole (`restart` with a `FIXED_WHILE_SERVING` change: the
     coordinator is replaced, Serve restarts every group); EngramRayError naming the settings
     the mode cannot apply otherwise (nothing changes: the groups serve on)."""
-    from engram_ray.serve.config_change import (changed_settings, fixed_changes,
+    from engram_ray.serve.settings.config_change import (changed_settings, fixed_changes,
                                                 group_settings, rollout_mode)
 
     fixed = fixed_changes(changed_settings(old, new))
@@ -105,7 +105,7 @@ def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
             "the same rows or serve the same model); set serving.rollout.mode: restart to "
             "restart every group at once (an outage of one cold start), or serve shutdown first")
     if mode == "in_place":
-        from engram_ray.serve.config_change import in_place_changes
+        from engram_ray.serve.settings.config_change import in_place_changes
 
         gangs = changed_settings(group_settings(old, "in_place"), group_settings(new))
         if gangs:
@@ -122,7 +122,7 @@ def rolls_out(old: dict, new: dict, deployment_name: str) -> bool:
 def refused_change(app_config_dict: dict, deployment_name: str) -> str | None:
     """Why the front door's build of this deploy refused the change of the group settings of
     `app_config_dict` (a group application's config), if it has already; None otherwise."""
-    from engram_ray.serve.config_change import group_settings
+    from engram_ray.serve.settings.config_change import group_settings
 
     try:
         coordinator = find_coordinator(deployment_name)
@@ -137,7 +137,8 @@ def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,
     set the coordinator up with the group settings of `app_config_dict` (a group
     application's config) and placed the group; EngramRayError naming what is missing after
     `timeout_s`, or at once for a change the front door refuses (`rolls_out`)."""
-    from engram_ray.serve.config_change import changed_settings, group_settings, rollout_mode
+    from engram_ray.serve.settings.config_change import (changed_settings, group_settings,
+                                                         rollout_mode)
 
     deadline, seen = time.monotonic() + timeout_s, None
     while True:

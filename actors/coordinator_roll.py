@@ -41,7 +41,7 @@ class InPlaceRollMixin:
 
     def member_settings(self) -> tuple[str, dict]:
         """(settings version, app config) the members' engines should run."""
-        from engram_ray.serve.config_change import config_version
+        from engram_ray.serve.settings.config_change import config_version
 
         with self._lock:
             return config_version(self.made_with[0]), self.made_with[0]

@@ -221,7 +221,7 @@ def door_app(deployment, door: str):
 
     from engram_ray.planning.grouping import Domain, PeerGroupPlan
     from engram_ray.serve import app
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     args = copy.deepcopy(deployment.args)
     if door in ENGRAM_DOORS:

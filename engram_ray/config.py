@@ -6,7 +6,7 @@ or a section's own check, is one `ConfigError` naming the path of the field at f
 `Field(default, description=...)` (its type and bounds are checked and go into the JSON schema,
 `engram-ray config schema`) and, if it needs one, a check in the section's `_check`, then
 `engram-ray config tables README.md` (the README's settings tables; a test compares them); a
-nested section = a field whose type is another `Section` (see `engram_ray.serve.config`).
+nested section = a field whose type is another `Section` (see `engram_ray.serve.settings.config`).
 """
 
 from types import NoneType, UnionType

@@ -4,11 +4,11 @@
   `engram_ray.serve.app:build_app` application's args through the checks `build_app` makes,
   and its groups' `build_group` applications (one each, the same settings);
 - `ray up` cluster YAML (top-level `provider`): Ray's autoscaler schema and what engram-ray needs
-  on the nodes (engram_ray.serve.cluster_configs);
+  on the nodes (engram_ray.serve.deploy.cluster_configs);
 - KubeRay manifest (one or more documents, one `kind: RayService`): each RayService's embedded
   `spec.serveConfigV2` through the same Serve checks, and each application's
   `peer_group_store` on one claim shared by the head and every GPU worker pod where its groups
-  span pods (`engram_ray.serve.store_sharing`; a Serve YAML alone says where it must be).
+  span pods (`engram_ray.serve.deploy.store_sharing`; a Serve YAML alone says where it must be).
 
 One line per file, `OK FILE (kind: ...)` or `FAILED FILE: field: problem`; exit 1 if any failed.
 """
@@ -83,7 +83,7 @@ def _apps(apps: dict) -> str:
 
 def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
     """Validate one file; a one-line summary if it passes, else ConfigError naming the field."""
-    from engram_ray.serve.cluster_configs import check_ray_up_config, check_serve_config
+    from engram_ray.serve.deploy.cluster_configs import check_ray_up_config, check_serve_config
 
     docs = _documents(path)
     try:
@@ -91,7 +91,7 @@ def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc.field}", exc.problem, exc.expected) from None
     if kind == "serve":
-        from engram_ray.serve.store_sharing import serve_note
+        from engram_ray.serve.deploy.store_sharing import serve_note
 
         apps = check_serve_config(docs[0], path)
         return f"Serve: {_apps(apps)}{serve_note(apps)}"
@@ -106,8 +106,8 @@ def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
 def _check_kuberay(path: str, docs: list) -> str:
     import yaml
 
-    from engram_ray.serve.cluster_configs import check_serve_config
-    from engram_ray.serve.store_sharing import check_kuberay_store
+    from engram_ray.serve.deploy.cluster_configs import check_serve_config
+    from engram_ray.serve.deploy.store_sharing import check_kuberay_store
 
     services = [(i, d) for i, d in enumerate(docs)
                 if isinstance(d, dict) and d.get("kind") == "RayService"]

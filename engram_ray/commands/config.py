@@ -1,7 +1,7 @@
 """`engram-ray config schema`: the JSON schema of a Serve application's `args` (`deployment`,
 `serving`, and a group application's `group`), made from the config models
-(`engram_ray.serve.config.ServeAppConfig`): every setting with its type, bounds, default and
-description, unknown keys refused. Point an editor's YAML support at it (completion and checks
+(`engram_ray.serve.settings.config.ServeAppConfig`): every setting with its type, bounds,
+default and description, unknown keys refused. Point an editor's YAML support at it (completion and checks
 while typing), e.g.
 
     engram-ray config schema > engram-ray-args.schema.json
@@ -77,7 +77,7 @@ def settings_tables() -> dict[str, str]:
     """{section path: markdown table of its settings}, every section of a Serve app's args."""
     from pydantic import BaseModel
 
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     tables, todo = {}, [("", ServeAppConfig)]
     while todo:
@@ -143,8 +143,8 @@ def with_tables(text: str, source: str) -> tuple[str, list[str]]:
 
 def app_args_schema() -> dict:
     """`ServeAppConfig`'s schema, plus the `group` a group application's args carry
-    (`engram_ray.serve.app.group_args`)."""
-    from engram_ray.serve.config import ServeAppConfig
+    (`engram_ray.serve.settings.group_apps.group_args`)."""
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     schema = ServeAppConfig.model_json_schema()
     schema["properties"]["group"] = {

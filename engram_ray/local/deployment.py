@@ -67,7 +67,7 @@ class LocalDeployment:
     """start() -> wait_ready() -> complete() / metrics_text() ... -> stop() (idempotent)."""
 
     def __init__(self, options: LocalOptions):
-        from engram_ray.serve.cluster_configs import APP_IMPORT_PATH, read_yaml
+        from engram_ray.serve.deploy.cluster_configs import APP_IMPORT_PATH, read_yaml
 
         self.options = opts = options
         self.model_dir = os.path.join(opts.workdir, "tiny-model" + (
@@ -109,7 +109,7 @@ class LocalDeployment:
     def serve_doc(self) -> dict:
         """The Serve config this deployment runs: the front door and its groups'
         applications (what `serve deploy` of the YAML with these args would run)."""
-        from engram_ray.serve.cluster_configs import group_app_configs
+        from engram_ray.serve.deploy.cluster_configs import group_app_configs
 
         door = self.doc["applications"][0]
         return {**self.doc, "applications": [door] + group_app_configs(door)}
@@ -360,6 +360,6 @@ def _merge(into: dict, changes: dict) -> None:
 
 
 def load_serve_config_from(doc: dict):
-    from engram_ray.serve.cluster_configs import check_serve_config
+    from engram_ray.serve.deploy.cluster_configs import check_serve_config
 
     return next(iter(check_serve_config(doc, "serve_local_tiny.yaml").values()))

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engram_ray.serve.fingerprint import fingerprint_parts
+from engram_ray.serve.edge.fingerprint import fingerprint_parts
 
 OK, FAILED, LOST = "ok", "failed", "lost"
 

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from engram_ray.serve.api_errors import leaks
-from engram_ray.serve.config import RequestLimits
+from engram_ray.serve.edge.api_errors import leaks
+from engram_ray.serve.settings.config import RequestLimits
 
 __all__ = ["Probe", "ProbeResult", "leaks", "probe_summary", "probe_table", "run_probes"]
 

@@ -104,7 +104,7 @@ def scale_under_load(deployment, traffic: Traffic, num_groups: int, settle_s: fl
     first gang). `during(statuses)` as in `roll_under_load`."""
     from ray import serve
 
-    from engram_ray.serve.app import group_app_name
+    from engram_ray.serve.settings.group_apps import group_app_name
 
     name = deployment.config.deployment.name
     before = {g: r["generation"] for g, r in routing(name).items()}

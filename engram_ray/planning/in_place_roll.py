@@ -2,9 +2,9 @@
 in_place`): which member restarts next. Pure: no Ray.
 
 The coordinator holds the engine settings the members should run (`config_version` of
-`engram_ray.serve.config_change`, a hash of the `IN_PLACE_SETTINGS`). Every member reports the
-version its engine runs (at join, ready, rejoin) and asks every `MEMBER_CHECK_S` whether it is
-its turn (`next_turn`). A turn goes to a member whose engine runs another version when:
+`engram_ray.serve.settings.config_change`, a hash of the `IN_PLACE_SETTINGS`). Every member
+reports the version its engine runs (at join, ready, rejoin) and asks every `MEMBER_CHECK_S`
+whether it is its turn (`next_turn`). A turn goes to a member whose engine runs another version when:
 
     its group serves, every member of its generation ready, none restarting (never two
     members of one group at once, whether for a roll or an engine's death)

@@ -5,13 +5,13 @@
     engram_ray.serve.app:build_app     (the front door; args: {deployment, serving})
       plan groups     each of serving.num_peer_groups gets a domain   actors/placement.py
       coordinator     generations, store folders, slices, targets      actors/coordinator.py
-      ingress         OpenAI API, requests spread over the groups      engram_ray.serve.ingress
-                      request checks, caps, every error's shape         engram_ray.serve.api_guard
+      ingress         OpenAI API, requests spread over the groups      serve.edge.ingress
+                      request checks, caps, every error's shape         serve.edge.api_guard
     engram_ray.serve.app:build_group   (one per group, `<deployment.name>-group-<i>`;
                                         args: `group_args`, the same settings and `group`)
       per group       one Serve deployment = one gang of P engines,    engram_ray.serve.member
                       bundles label-selected to the group's domain,
-                      requests only to members that serve      engram_ray.serve.member_router
+                      requests only to members that serve      engram_ray.serve.edge.member_router
 
 Why one application per group: Serve gives every deployment of an application the code version
 of the whole (a hash of its args) and restarts every replica when it changes. Apart, a group's
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from engram_ray.errors import ConfigError, EngramRayError
 from engram_ray.planning.grouping import PeerGroupPlan, PlacementError
-from engram_ray.serve.config import MAX_ONGOING_REQUESTS, ServeAppConfig
-from engram_ray.serve.engine_args import engine_kwargs
+from engram_ray.serve.settings.config import MAX_ONGOING_REQUESTS, ServeAppConfig
+from engram_ray.serve.settings.engine_args import engine_kwargs
+from engram_ray.serve.settings.group_apps import group_app_name, group_applications
 
 
 def llm_config(app: ServeAppConfig, group: PeerGroupPlan):
@@ -91,11 +92,6 @@ def server_class(app: ServeAppConfig):
     return EngramDPServer if app.serving.data_parallel_size > 1 else EngramLLMServer
 
 
-def group_app_name(deployment_name: str, group_id: str) -> str:
-    """The Serve application of one peer group (the front door finds its engines by it)."""
-    return f"{deployment_name}-{group_id}"
-
-
 def engine_deployment_name(server_cls, deployment_name: str, group_id: str) -> str:
     return f"{server_cls.__name__}:{deployment_name}:{group_id}"
 
@@ -105,22 +101,6 @@ def group_engines(server_cls, deployment_name: str, group_ids) -> dict[str, tupl
     group's requests."""
     return {g: (engine_deployment_name(server_cls, deployment_name, g),
                 group_app_name(deployment_name, g)) for g in group_ids}
-
-
-def group_args(args: dict, group_id: str) -> dict:
-    """A group application's `args`: the front door's without the settings only the front
-    door reads (`FRONT_DOOR_SETTINGS` of `engram_ray.serve.config`: a change of them leaves
-    every group's code version, and so its engines, alone), plus `group`."""
-    from engram_ray.serve.config_change import group_settings
-
-    return {"group": group_id, **group_settings(args)}
-
-
-def group_applications(args: dict) -> dict[str, dict]:
-    """{application name: args} of every peer group of the front door's `args`."""
-    app = ServeAppConfig.from_dict(args, "args")
-    return {group_app_name(app.deployment.name, f"group-{i}"): group_args(args, f"group-{i}")
-            for i in range(app.serving.num_peer_groups)}
 
 
 def build_app(args: dict):
@@ -162,13 +142,14 @@ def build_group_app(args: dict, server_cls=None):
 
     from engram_ray.actors.coordinator_lookup import group_domain, refused_change
     from engram_ray.actors.placement import discover_domains, gang_options
-    from engram_ray.serve.member_router import ROUTER_PATH
+    from engram_ray.serve.edge.member_router import ROUTER_PATH
 
     args = dict(args)
     group_id = args.pop("group", None)
     if not isinstance(group_id, str) or not group_id.startswith("group-"):
         raise ConfigError("build_group args: group", f"is {group_id!r}",
-                          "the group's id, group-<i> (engram_ray.serve.app.group_args)")
+                          "the group's id, group-<i> "
+                          "(engram_ray.serve.settings.group_apps.group_args)")
     own = ServeAppConfig.from_dict(args, "build_group args")
     dep = own.deployment
     # A change the front door refused fails here at once (Serve builds it four times); else
@@ -203,7 +184,7 @@ def build_group_app(args: dict, server_cls=None):
 def _refuse_in_place_settings(args: dict, mode: str) -> None:
     """With `rollout.mode: in_place` the settings engines restart in place with are the front
     door's only: in a group's args, a change of them would make Serve replace its gang."""
-    from engram_ray.serve.config_change import in_place_changes, setting_paths
+    from engram_ray.serve.settings.config_change import in_place_changes, setting_paths
 
     extra = in_place_changes(setting_paths(args)) if mode == "in_place" else []
     if extra:
@@ -228,7 +209,7 @@ def engram_applications(args: dict, app_name: str, route_prefix: str = "/",
 def check_library_options(app: ServeAppConfig) -> None:
     """`app`'s engine arguments and LLMConfig options against vLLM's and Ray Serve LLM's own
     names (a typo fails the build, not every engine)."""
-    from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
+    from engram_ray.serve.settings.library_options import check_engine_kwargs, check_llm_options
 
     check_engine_kwargs(engine_kwargs(app))
     check_llm_options(app.serving)
@@ -236,14 +217,14 @@ def check_library_options(app: ServeAppConfig) -> None:
 
 def _ingress(config, engines: dict, deployment_name: str):
     """Ray Serve LLM's OpenAI ingress over the groups' deployments, `engines`: {group id:
-    (deployment name, application name)} (`engram_ray.serve.ingress.PeerGroupIngress`)."""
+    (deployment name, application name)} (`engram_ray.serve.edge.ingress.PeerGroupIngress`)."""
     from ray import serve
     from ray.llm._internal.common.dict_utils import deep_merge_dicts
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 
-    from engram_ray.serve.api_guard import guarded_ingress_app
-    from engram_ray.serve.ingress import PeerGroupIngress
+    from engram_ray.serve.edge.api_guard import guarded_ingress_app
+    from engram_ray.serve.edge.ingress import PeerGroupIngress
     from engram_ray.serve.member.server import APP_CONFIG_KEY
 
     serving = ServeAppConfig.from_dict(config.experimental_configs[APP_CONFIG_KEY]).serving

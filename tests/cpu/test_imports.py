@@ -1,7 +1,7 @@
 """Imports point down the data flow (STYLE.md rule 13): no import circle anywhere in the
 package, counting imports inside functions too (a lazy import hides a circle, it does not
-remove it); the vLLM side never imports the Serve side; the member (`engram_ray.serve.member`)
-imports of the Serve side only what sits below it."""
+remove it); the vLLM side never imports the Serve side; each room of the Serve side
+(`engram_ray/serve/__init__.py`) imports of it only what sits below it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# What the member may import of engram_ray.serve outside its own room.
-MEMBER = "engram_ray.serve.member"
-MEMBER_MAY_IMPORT = {"engram_ray.serve.config", "engram_ray.serve.config_change",
-                     "engram_ray.serve.engine_args", "engram_ray.serve.fingerprint"}
+SERVE = "engram_ray.serve"
+# What each room of engram_ray.serve may import of engram_ray.serve besides itself
+# (engram_ray/serve/__init__.py; `app` assembles them all).
+ROOM_MAY_IMPORT = {
+    "settings": (),
+    "edge": ("settings",),
+    "deploy": ("settings",),
+    "member": ("settings", "edge.fingerprint"),
+}
 
 
 def package_modules() -> dict[str, Path]:
@@ -76,8 +81,16 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def in_member(module: str) -> bool:
-    return module == MEMBER or module.startswith(MEMBER + ".")
+def room_of(module: str) -> str | None:
+    """'settings', 'edge', ... for a module of engram_ray.serve's rooms; None otherwise."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and ".".join(parts[:2]) == SERVE else None
+
+
+def may_import(room: str, target: str) -> bool:
+    allowed = (room, *ROOM_MAY_IMPORT[room])
+    inside = target[len(SERVE) + 1:]
+    return any(inside == a or inside.startswith(a + ".") for a in allowed)
 
 
 def test_no_import_circle_in_the_package():
@@ -98,14 +111,24 @@ def test_the_vllm_side_never_imports_the_serve_side():
     assert {m: t for m, t in wrong.items() if t} == {}
 
 
-def test_the_member_imports_only_what_lies_below_it():
+def test_each_room_of_the_serve_side_imports_only_what_lies_below_it():
     graph = import_graph(package_modules())
-    wrong = {m: sorted(t for t in targets if t.startswith("engram_ray.serve")
-                       and not in_member(t) and t not in MEMBER_MAY_IMPORT)
-             for m, targets in graph.items() if in_member(m)}
+    rooms = {m: room_of(m) for m in graph if room_of(m) in ROOM_MAY_IMPORT}
+    assert set(rooms.values()) == set(ROOM_MAY_IMPORT)  # every room has modules
+    wrong = {m: sorted(t for t in graph[m] if t.startswith(SERVE + ".")
+                       and not may_import(room, t))
+             for m, room in rooms.items()}
     assert {m: t for m, t in wrong.items() if t} == {}
-    parts = [m for m in graph if in_member(m) and m != "engram_ray.serve.member.server"]
+    parts = [m for m, room in rooms.items() if room == "member"
+             and m != "engram_ray.serve.member.server"]
     assert not [m for m in parts if "engram_ray.serve.member.server" in graph[m]]
+
+
+def test_the_room_rule_can_fail():
+    assert not may_import("edge", "engram_ray.serve.member.server")
+    assert not may_import("member", "engram_ray.serve.edge.ingress")
+    assert may_import("member", "engram_ray.serve.edge.fingerprint")
+    assert not may_import("settings", "engram_ray.serve.app")
 
 
 def test_every_module_over_300_lines_says_why_near_its_top():

@@ -1,6 +1,6 @@
 """Test support: a vLLM engine with engram-ray's plugin outside Ray Serve (the CPU tests of the
 tiny model, the AMX guard, KV-cache capacity). Serve builds its engines' arguments itself
-(`engram_ray.serve.engine_args.engine_kwargs`); both take the architecture's settings from
+(`engram_ray.serve.settings.engine_args.engine_kwargs`); both take the architecture's settings from
 `engram_ray.vllm.engine_settings`.
 
     args = build_engine_args(model_dir, peer_group={"size": 2, "store_dir": DIR, "rank": 0,

@@ -46,11 +46,11 @@ class MemberEngine:
         return getattr(getattr(self.server, "engine", None), "_engine_client", None)
 
     def set_kwargs(self, app) -> None:
-        """The engine arguments of `app` (`engram_ray.serve.engine_args.engine_kwargs`, the
+        """The engine arguments of `app` (`engram_ray.serve.settings.engine_args.engine_kwargs`, the
         model's architecture read on this node) plus the member's own, in its `LLMConfig` and
         its cached engine config alike (Ray Serve LLM caches a copy; a key the new settings
         drop must go from both); `app` becomes the member's app config."""
-        from engram_ray.serve.engine_args import engine_kwargs
+        from engram_ray.serve.settings.engine_args import engine_kwargs
         from engram_ray.serve.member.kv_cache import probe_engine_kwargs
 
         llm_config = self.server._llm_config

@@ -39,7 +39,7 @@ class MemberRequests:
         """`call(request, raw_request_info)`'s stream, tagged with the generation and
         settings that answer it and counted in `in_flight` from the call until the stream
         ends (a retired member drains them)."""
-        from engram_ray.serve.fingerprint import tag_generation
+        from engram_ray.serve.edge.fingerprint import tag_generation
 
         self.in_flight += 1
         try:

@@ -46,8 +46,8 @@ class SettingsRoll:
     def app_with(self, settings: dict):
         """The member's app config with the `IN_PLACE_SETTINGS` of `settings` (the
         coordinator's app config)."""
-        from engram_ray.serve.config import ServeAppConfig
-        from engram_ray.serve.config_change import with_in_place_values
+        from engram_ray.serve.settings.config import ServeAppConfig
+        from engram_ray.serve.settings.config_change import with_in_place_values
 
         return ServeAppConfig.from_dict(with_in_place_values(self.server._app.to_dict(),
                                                              settings), "replica")
@@ -78,7 +78,7 @@ class SettingsRoll:
                                                       self.version)
 
     async def _roll(self, version: str, epoch: int) -> None:
-        from engram_ray.serve.config import ServeAppConfig
+        from engram_ray.serve.settings.config import ServeAppConfig
 
         server, restarts = self.server, self.server._restarts
         a, old_app, old_version = server._assignment, server._app, self.version

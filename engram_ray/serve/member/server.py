@@ -20,7 +20,7 @@ it; one failure that passes next time is not a loss) makes Serve stop every memb
 and start a new gang (RESTART_GANG), so no engine serves next to peers of another generation.
 The replica tells the coordinator within a fraction of a second (`engine.MemberEngine`), and the
 coordinator pings every member's actor; the ingress routes by what the coordinator says
-(`engram_ray.serve.ingress`). Answers carry the generation id that produced them
+(`engram_ray.serve.edge.ingress`). Answers carry the generation id that produced them
 (`system_fingerprint`).
 """
 
@@ -91,8 +91,8 @@ class EngramServerMixin:
         import asyncio
 
         from engram_ray.actors.coordinator_lookup import find_coordinator
-        from engram_ray.serve.config import ServeAppConfig
-        from engram_ray.serve.engine_args import engine_kwargs
+        from engram_ray.serve.settings.config import ServeAppConfig
+        from engram_ray.serve.settings.engine_args import engine_kwargs
 
         self._make_parts()
         raw = self._llm_config.experimental_configs[APP_CONFIG_KEY]

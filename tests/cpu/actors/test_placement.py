@@ -275,7 +275,7 @@ def _serve_deploy(tmp_path, name: str, args: dict) -> list[dict]:
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
-    from engram_ray.serve.cluster_configs import group_app_configs
+    from engram_ray.serve.deploy.cluster_configs import group_app_configs
 
     tests_dir = str(Path(__file__).resolve().parents[2])
     door = {"name": name, "route_prefix": f"/{name}", "args": args,

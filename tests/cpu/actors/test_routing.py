@@ -11,9 +11,9 @@ import pytest
 
 from engram_ray.model.layout import load_layout
 from engram_ray.planning.generations import GenerationBook
-from engram_ray.serve.cluster_configs import load_serve_config
-from engram_ray.serve.ingress import (RETIRED_FAILURE, GroupRouting, error_event,
-                                      is_failure_named, is_group_failure)
+from engram_ray.serve.deploy.cluster_configs import load_serve_config
+from engram_ray.serve.edge.ingress import (RETIRED_FAILURE, GroupRouting, error_event,
+                                           is_failure_named, is_group_failure)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
@@ -27,7 +27,7 @@ def _raw(tmp_path, name: str) -> dict:
 
 
 def _book(tmp_path) -> GenerationBook:
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     config = ServeAppConfig.from_dict(_raw(tmp_path, "book"), "test").deployment
     return GenerationBook(config, load_layout(config.model), {"group-0": "a", "group-1": "b"})
@@ -100,7 +100,7 @@ def test_removing_the_stores_takes_the_death_records_and_a_late_record_stays_out
 def test_a_data_parallel_gang_restarts_whole_while_the_groups_other_gang_serves(tmp_path):
     """DEP2 in a group of 4: an engine's death restarts its DP gang (ranks 2 and 3) under
     one restart number; the other gang serves; numbers go on, also across a rebuild."""
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     raw = _raw(tmp_path, "dp")
     raw["deployment"]["peer_group_size"], raw["serving"]["data_parallel_size"] = 4, 2
@@ -222,7 +222,7 @@ def _route(generation: str, serving: bool = True, members=("m0",)) -> dict:
 
 
 def test_the_ingress_view_skips_groups_it_saw_fail_until_a_new_generation():
-    import engram_ray.serve.ingress as ingress
+    import engram_ray.serve.edge.ingress as ingress
 
     async def scenario():
         routing = GroupRouting("unused")
@@ -251,7 +251,7 @@ def test_a_request_waiting_for_a_group_that_stops_serving_goes_elsewhere():
     """A request queued for a group whose members Serve stops (its application deleted by a
     `serve deploy` that lowered num_peer_groups) gives up the group once the coordinator stops
     routing to it; a routing change that keeps the group serving does not."""
-    from engram_ray.serve.ingress import GroupLeft
+    from engram_ray.serve.edge.ingress import GroupLeft
 
     async def never_answers():
         await asyncio.sleep(3600)
@@ -277,7 +277,7 @@ def test_a_request_waiting_for_a_group_that_stops_serving_goes_elsewhere():
 
 def test_a_failure_seen_only_by_the_ingress_expires(monkeypatch):
     """A transient error must not take a group the coordinator calls healthy out for good."""
-    import engram_ray.serve.ingress as ingress
+    import engram_ray.serve.edge.ingress as ingress
 
     monkeypatch.setattr(ingress, "LOST_HINT_S", 0.05)
     routing = GroupRouting("unused")
@@ -510,7 +510,7 @@ def test_a_rolling_change_starts_a_gang_beside_the_serving_one_which_drains_then
 def test_a_changed_setting_is_named_and_only_rollable_ones_roll():
     from engram_ray.actors.coordinator_lookup import rolls_out
     from engram_ray.errors import EngramRayError
-    from engram_ray.serve.config_change import changed_settings, fixed_changes
+    from engram_ray.serve.settings.config_change import changed_settings, fixed_changes
 
     old = {"deployment": {"model": "m", "peer_group_size": 2},
            "serving": {"engine_kwargs": {"max_num_seqs": 128}, "rollout": {"mode": "beside"}}}

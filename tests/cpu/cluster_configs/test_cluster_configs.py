@@ -8,8 +8,9 @@ import pytest
 
 from engram_ray.config import DEFAULT_DOMAIN_LABEL_KEY
 from engram_ray.errors import ConfigError
-from engram_ray.serve.cluster_configs import (check_ray_up_config, check_serve_config,
-                                              load_ray_up_config, load_serve_config, read_yaml)
+from engram_ray.serve.deploy.cluster_configs import (check_ray_up_config, check_serve_config,
+                                                     load_ray_up_config, load_serve_config,
+                                                     read_yaml)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 SERVE_FILES = sorted(CONFIGS.glob("serve_*.yaml"))

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from engram_ray.planning.grouping import NodeSlots, domains_of, place_groups
-from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
+from engram_ray.serve.deploy.cluster_configs import check_serve_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 KUBERAY = ROOT / "cluster_configs" / "kuberay"
@@ -125,7 +125,7 @@ def test_serve_config_passes_rays_schema_and_build_apps_checks(manifest):
 
 def test_serve_config_is_the_projects(manifest):
     """The embedded app is serve_deepseek_v41_flash.yaml's, up to the listed K8s overrides."""
-    from engram_ray.serve.cluster_configs import group_app_configs
+    from engram_ray.serve.deploy.cluster_configs import group_app_configs
 
     path, docs = manifest
     ours = yaml.safe_load(rayservice(docs)["spec"]["serveConfigV2"])

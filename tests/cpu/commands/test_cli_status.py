@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engram_ray.serve.cluster_configs import load_serve_config
+from engram_ray.serve.deploy.cluster_configs import load_serve_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 
@@ -24,7 +24,7 @@ def status(address, *args):
 def test_status_shows_groups_generations_members_and_serving(ray_local, tmp_path):
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import get_coordinator
-    from engram_ray.serve.config_change import config_version
+    from engram_ray.serve.settings.config_change import config_version
 
     raw = next(iter(load_serve_config(CONFIGS / "serve_local_tiny.yaml").values())).to_dict()
     raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="stat",

@@ -23,7 +23,7 @@ import pytest
 
 from engram_ray.local.loadgen import LOST, OK, Traffic, request_body
 from engram_ray.local.prometheus import free_port, free_port_block
-from engram_ray.serve.api_errors import leaks
+from engram_ray.serve.edge.api_errors import leaks
 
 pytestmark = pytest.mark.slow
 PROMPT = "The river"

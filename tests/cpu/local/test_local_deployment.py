@@ -32,7 +32,7 @@ from engram_ray.local.loadgen import run_load
 from engram_ray.local.prometheus import Prometheus, free_port, scrape_config
 from engram_ray.local.summary import engine_row, merge_by_engine
 from engram_ray.serve.member import engine_shm
-from engram_ray.serve.api_errors import leaks
+from engram_ray.serve.edge.api_errors import leaks
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from engram_ray.metrics import exposition
 from engram_ray.metrics.exposition import (NODE_ADDRESS, MetricsServer, TargetsServer,
                                            bind_host)
-from engram_ray.serve.cluster_configs import load_serve_config
-from engram_ray.serve.config import ServingConfig
+from engram_ray.serve.deploy.cluster_configs import load_serve_config
+from engram_ray.serve.settings.config import ServingConfig
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 

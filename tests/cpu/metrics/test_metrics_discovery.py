@@ -15,7 +15,7 @@ from engram_ray.errors import ConfigError
 from engram_ray.local.prometheus import Prometheus, free_port
 from engram_ray.metrics.exposition import (MetricsServer, TargetsServer, metrics_port, port_name,
                                            target_groups, write_file_sd)
-from engram_ray.serve.cluster_configs import load_serve_config, read_yaml
+from engram_ray.serve.deploy.cluster_configs import load_serve_config, read_yaml
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 # Kubernetes' IANA_SVC_NAME: 1-15 lowercase letters, digits and single inner hyphens.
@@ -48,7 +48,7 @@ def test_taken_fixed_port_is_refused_naming_it():
 
 
 def test_ports_are_checked_in_the_config():
-    from engram_ray.serve.config import ServingConfig
+    from engram_ray.serve.settings.config import ServingConfig
 
     for name in ("metrics_port", "http_sd_port"):
         for bad in (-1, 70000, 1.5):
@@ -57,7 +57,7 @@ def test_ports_are_checked_in_the_config():
     # Slots make a fixed base port fine for CPU engines sharing a node, too (refused before).
     import copy
 
-    from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
+    from engram_ray.serve.deploy.cluster_configs import check_serve_config, read_yaml
 
     data = copy.deepcopy(read_yaml(CONFIGS / "serve_local_tiny.yaml"))
     for app in data["applications"]:  # the front door's and the group's (one anchor)

@@ -10,9 +10,9 @@ from engram_ray.model.layout import load_layout
 from engram_ray.planning.host_kv import (HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG,
                                          freed_host_kv_budget, host_kv_budget, kv_bytes_per_token)
 from engram_ray.planning.memory import GIB, gib, make_plan
-from engram_ray.serve.engine_args import engine_kwargs
-from engram_ray.serve.config import ServeAppConfig
-from engram_ray.serve.library_options import check_engine_kwargs
+from engram_ray.serve.settings.engine_args import engine_kwargs
+from engram_ray.serve.settings.config import ServeAppConfig
+from engram_ray.serve.settings.library_options import check_engine_kwargs
 
 
 def app(**serving):
@@ -108,7 +108,7 @@ def test_the_deepseek_serve_yaml_with_auto_reaches_ray_serve_llms_engine_kwargs(
 
     from engram_ray.planning.grouping import Domain, PeerGroupPlan
     from engram_ray.serve.app import llm_config
-    from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
+    from engram_ray.serve.deploy.cluster_configs import check_serve_config, read_yaml
 
     configs = Path(__file__).resolve().parents[3] / "cluster_configs"
     data = copy.deepcopy(read_yaml(configs / "serve_deepseek_v41_flash.yaml"))

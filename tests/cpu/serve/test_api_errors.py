@@ -4,7 +4,7 @@ kept instead of a generic text. Bodies as vLLM 0.33 and Ray Serve LLM write them
 
 import json
 
-from engram_ray.serve.api_errors import clean_error, leaks
+from engram_ray.serve.edge.api_errors import clean_error, leaks
 
 IDS = list(range(512, 576))
 LOGIT_BIAS = (f"token_id(s) {IDS} in logit_bias contain out-of-vocab token ids. "

@@ -23,9 +23,9 @@ from starlette.testclient import TestClient
 
 from engram_ray.errors import ConfigError
 from engram_ray.local.probes import check_response, probe_summary, probe_table
-from engram_ray.serve.api_errors import MAX_MESSAGE_CHARS, leaks
-from engram_ray.serve.api_guard import ApiGuard, guarded_ingress_app
-from engram_ray.serve.config import RequestLimits, ServingConfig
+from engram_ray.serve.edge.api_errors import MAX_MESSAGE_CHARS, leaks
+from engram_ray.serve.edge.api_guard import ApiGuard, guarded_ingress_app
+from engram_ray.serve.settings.config import RequestLimits, ServingConfig
 
 MODEL = "engram-tiny"
 JSON_HEADERS = {"content-type": "application/json"}

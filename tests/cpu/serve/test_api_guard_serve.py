@@ -38,7 +38,7 @@ def _app():
     from ray.llm._internal.serve.core.configs.openai_api_models import ModelCard
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress, make_fastapi_ingress
 
-    from engram_ray.serve.api_guard import guarded_ingress_app
+    from engram_ray.serve.edge.api_guard import guarded_ingress_app
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Engine:

@@ -4,7 +4,7 @@ of the field, frozen sections that round-trip through dicts, and `serving.ingres
 import pytest
 
 from engram_ray.errors import ConfigError
-from engram_ray.serve.config import IngressConfig, ServeAppConfig, ServingConfig
+from engram_ray.serve.settings.config import IngressConfig, ServeAppConfig, ServingConfig
 
 
 @pytest.mark.parametrize("args,message", [
@@ -55,7 +55,7 @@ def test_ingress_has_two_replicas_or_autoscaling():
 
 
 def test_ingress_autoscaling_keys_are_serves():
-    from engram_ray.serve.library_options import check_llm_options
+    from engram_ray.serve.settings.library_options import check_llm_options
 
     app = ServeAppConfig.from_dict({"serving": {"ingress": {"autoscaling_config": {
         "min_replicas": 2, "max_replica": 6}}}})

@@ -1,4 +1,4 @@
-"""What a `serve deploy` of a changed config changes (`engram_ray.serve.config_change`,
+"""What a `serve deploy` of a changed config changes (`engram_ray.serve.settings.config_change`,
 `rolls_out`): with `serving.rollout.mode: in_place` the engine settings are the front door's
 and roll in place (data-parallel gangs too); a change that needs new gangs is refused naming
 the settings; a change of the rollout alone touches no group."""
@@ -9,8 +9,9 @@ import pytest
 
 from engram_ray.actors.coordinator_lookup import rolls_out
 from engram_ray.errors import EngramRayError
-from engram_ray.serve.config_change import (config_version, group_settings, in_place_changes,
-                                            setting_paths, with_in_place_values)
+from engram_ray.serve.settings.config_change import (config_version, group_settings,
+                                                     in_place_changes, setting_paths,
+                                                     with_in_place_values)
 
 OLD = {"deployment": {"model": "m", "peer_group_size": 2, "rendezvous_timeout_s": 300},
        "serving": {"num_peer_groups": 1, "max_model_len": 512, "data_parallel_size": 1,

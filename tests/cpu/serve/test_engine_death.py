@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engram_ray.serve.member.engine_death import (EngineDeath, EngineWatch, describe_exit, explain,
-                                           read_deaths, record_death)
+                                                  read_deaths, record_death)
 
 # vLLM 0.32's multiproc executor, once a worker is ready (multiproc_executor.py)
 WORKER_DIED = ("(EngineCore pid=7) ERROR [multiproc_executor.py:316] Worker proc VllmWorker-0 "

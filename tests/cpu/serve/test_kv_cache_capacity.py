@@ -19,8 +19,8 @@ import torch
 
 from engram_ray.serve.member import kv_cache
 from engram_ray.serve.member.kv_cache import (KV_PROBE_CLS, KV_PROBE_METHOD, engine_capacity,
-                                       formula_capacity, kv_cache_config_bytes, probe_engine_kwargs,
-                                       storage_bytes)
+                                              formula_capacity, kv_cache_config_bytes,
+                                              probe_engine_kwargs, storage_bytes)
 
 BLOCK_SIZE, NUM_LAYERS, AVAILABLE_BYTES = 64, 4, 1 << 30
 

@@ -76,7 +76,7 @@ def test_requests_are_counted_until_their_stream_ends_and_refused_once_retired()
         chunks = [chunk async for chunk in stream]
         assert requests.in_flight == 0
         return chunks
-    assert asyncio.run(run())  # tagged chunks (engram_ray.serve.fingerprint)
+    assert asyncio.run(run())  # tagged chunks (engram_ray.serve.edge.fingerprint)
     requests.refuse_if_retired(ASSIGNMENT)  # serving: taken
     requests.retired = True
     with pytest.raises(MemberRetiredError, match="generation local-group-0.1 was replaced"):

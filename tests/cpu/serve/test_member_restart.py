@@ -77,7 +77,7 @@ class _Server:
     """The server parts `InPlaceRestart` reaches; its holder full or not."""
 
     def __init__(self, restarting, holds_slices=True, deadline_s=600.0, hangs=False):
-        from engram_ray.serve.config import ServeAppConfig
+        from engram_ray.serve.settings.config import ServeAppConfig
 
         self._coordinator, self._replica_id = _Coordinator(restarting), "replica-0"
         self._holder = type("Holder", (), {"is_full": holds_slices})()

@@ -1,11 +1,11 @@
-"""The caps of `serving.request_limits` (`engram_ray.serve.request_caps`): each refusal is a 400
-naming the field, the cap and its setting; a request just under each cap passes."""
+"""The caps of `serving.request_limits` (`engram_ray.serve.edge.request_caps`): each refusal is
+a 400 naming the field, the cap and its setting; a request just under each cap passes."""
 
 import pytest
 
-from engram_ray.serve.config import RequestLimits
-from engram_ray.serve.request_caps import check_request
-from engram_ray.serve.request_checks import CHAT, COMPLETIONS, RequestRefused
+from engram_ray.serve.settings.config import RequestLimits
+from engram_ray.serve.edge.request_caps import check_request
+from engram_ray.serve.edge.request_checks import CHAT, COMPLETIONS, RequestRefused
 
 LIMITS = RequestLimits()
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 4}

@@ -11,9 +11,9 @@ import pytest
 
 from engram_ray.errors import ConfigError
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
-from engram_ray.serve.cluster_configs import check_serve_config, read_yaml
-from engram_ray.serve.config import ServeAppConfig
-from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
+from engram_ray.serve.deploy.cluster_configs import check_serve_config, read_yaml
+from engram_ray.serve.settings.config import ServeAppConfig
+from engram_ray.serve.settings.library_options import check_engine_kwargs, check_llm_options
 
 CONFIGS = Path(__file__).resolve().parents[3] / "cluster_configs"
 GROUP = PeerGroupPlan("group-0", Domain("rack-0", ("n1",), 8, {"k": "rack-0"}), 0, 8)
@@ -33,7 +33,7 @@ def test_empty_args_serve_deepseek_from_its_checkpoint():
 
 
 def _group_app(name: str, args: dict, group: str = "group-0") -> dict:
-    from engram_ray.serve.app import group_args
+    from engram_ray.serve.settings.group_apps import group_args
 
     return {"name": name, "route_prefix": None, "args": group_args(args, group),
             "import_path": "engram_ray.serve.app:build_group"}
@@ -43,7 +43,7 @@ def test_each_group_is_an_application_of_its_own_with_the_front_doors_settings()
     """serve_local_tiny.yaml's groups (YAML anchors) run the front door's settings but for its
     own (num_peer_groups, ingress, request_limits); `engram-ray check` names what is missing,
     left over or different."""
-    from engram_ray.serve.app import group_applications
+    from engram_ray.serve.settings.group_apps import group_applications
 
     data = read_yaml(CONFIGS / "serve_local_tiny.yaml")
     door, group = data["applications"]

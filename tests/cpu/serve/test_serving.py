@@ -11,8 +11,8 @@ import pytest
 from engram_ray.errors import EngramRayError
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
 from engram_ray.serve.app import llm_config, server_class
-from engram_ray.serve.cluster_configs import load_serve_config
-from engram_ray.serve.engine_args import engine_kwargs
+from engram_ray.serve.deploy.cluster_configs import load_serve_config
+from engram_ray.serve.settings.engine_args import engine_kwargs
 from engram_ray.serve.member.server import (APP_CONFIG_KEY, GROUP_KEY, EngramDPServer,
                                             EngramLLMServer, peer_group_settings)
 
@@ -185,7 +185,7 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
 
     from engram_ray.actors.coordinator_lookup import get_coordinator
     from engram_ray.metrics.exposition import MetricsServer
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
     from engram_ray.serve.member.server import EngramServerMixin
 
     taken = MetricsServer([], "127.0.0.1", 0)
@@ -228,7 +228,8 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     label-selected to that node. A group's args without the front door's settings."""
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import find_coordinator
-    from engram_ray.serve.app import engram_applications, group_applications
+    from engram_ray.serve.app import engram_applications
+    from engram_ray.serve.settings.group_apps import group_applications
 
     raw = _raw("serve_local_tiny.yaml", tmp_path, "built")
     raw["serving"]["ingress"] = {"num_replicas": 3}
@@ -255,7 +256,7 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
                 "max_model_len"} & set(group_args["serving"])  # in_place: the front door's
     # A group the front door did not place, or run with other settings: refused, saying why.
     from engram_ray.actors.coordinator_lookup import group_domain
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     config = ServeAppConfig.from_dict(raw).to_dict()
     placed = ray.get(find_coordinator("built").status.remote())["group-0"]["domain"]

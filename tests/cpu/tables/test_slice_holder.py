@@ -163,7 +163,7 @@ def test_a_holder_answers_only_callers_with_its_generations_token(tmp_path, stor
 def test_a_generation_gives_its_members_a_token_no_status_shows(tmp_path):
     from engram_ray.model.layout import load_layout
     from engram_ray.planning.generations import GenerationBook
-    from engram_ray.serve.config import ServeAppConfig
+    from engram_ray.serve.settings.config import ServeAppConfig
 
     raw = {"deployment": {"model": "deepseek-v4.1-flash", "peer_group_size": 2,
                           "peer_group_store": str(tmp_path / "s"), "name": "tok",

@@ -1,13 +1,13 @@
 """Engine settings per model architecture (engram_ray.vllm.engine_settings) as the Serve
-app passes them (`engram_ray.serve.engine_args.engine_kwargs`): DeepSeek-V4.1 runs with
+app passes them (`engram_ray.serve.settings.engine_args.engine_kwargs`): DeepSeek-V4.1 runs with
 vLLM's defaults (CUDA graphs on, prefix caching as vLLM decides), the tiny model eager without
 prefix caching (its n-gram history is written per KV slot by Python on the host)."""
 
 import shutil
 from pathlib import Path
 
-from engram_ray.serve.engine_args import engine_kwargs
-from engram_ray.serve.cluster_configs import load_serve_config
+from engram_ray.serve.settings.engine_args import engine_kwargs
+from engram_ray.serve.deploy.cluster_configs import load_serve_config
 from engram_ray.vllm.engine_settings import architecture_engine_kwargs, model_architectures
 
 REPO = Path(__file__).resolve().parents[3]

@@ -222,8 +222,8 @@ def test_the_serve_yaml_engine_settings_build_a_peer_table(engram_module, tmp_pa
 
     from vllm.config import EngramConfig
 
-    from engram_ray.serve.engine_args import engine_kwargs
-    from engram_ray.serve.cluster_configs import load_serve_config
+    from engram_ray.serve.settings.engine_args import engine_kwargs
+    from engram_ray.serve.deploy.cluster_configs import load_serve_config
 
     module, _ = engram_module
     yaml_path = Path(__file__).resolve().parents[3] / "cluster_configs" / \

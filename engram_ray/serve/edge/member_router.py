@@ -3,7 +3,7 @@ only to the members that serve (an engine restarting inside its replica gets non
 
 Serve runs a deployment's router in every process that holds a handle to it, here the
 ingress; the members that serve are what that process's ingress last heard from the
-coordinator (`engram_ray.serve.ingress.live_replica_ids`, read at call time: Serve pickles this
+coordinator (`engram_ray.serve.edge.ingress.live_replica_ids`, read at call time: Serve pickles this
 module by value, so a module-level set here would be a copy). Among them it is Serve's own
 power of two choices; before the ingress has heard anything, Serve's default over every
 replica.
@@ -15,12 +15,12 @@ import random
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
-ROUTER_PATH = "engram_ray.serve.member_router:LiveMemberRouter"
+ROUTER_PATH = "engram_ray.serve.edge.member_router:LiveMemberRouter"
 
 
 class LiveMemberRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        from engram_ray.serve.ingress import live_replica_ids
+        from engram_ray.serve.edge.ingress import live_replica_ids
 
         live = live_replica_ids()
         if live is None:

@@ -6,7 +6,7 @@
                                and encodable strings (400 naming the field), per-request caps
                                (400 naming the cap, `RequestLimits`); then the body is
                                replayed to the app unchanged
-      status >= 400            body rewritten to `engram_ray.serve.api_errors`' shape
+      status >= 400            body rewritten to `engram_ray.serve.edge.api_errors`' shape
                                (headers kept: Retry-After on 503s); 5xx generic + request id,
                                the full text to the log
       text/event-stream        `data: {"error": ...}` events rewritten the same way; every
@@ -26,9 +26,9 @@ import logging
 import re
 import uuid
 
-from engram_ray.serve import api_errors, request_caps, request_checks
-from engram_ray.serve.config import RequestLimits
-from engram_ray.serve.request_checks import RequestRefused
+from engram_ray.serve.edge import api_errors, request_caps, request_checks
+from engram_ray.serve.settings.config import RequestLimits
+from engram_ray.serve.edge.request_checks import RequestRefused
 
 logger = logging.getLogger("engram_ray.api_guard")
 MAX_ERROR_BODY_BYTES = 1 << 20  # an upstream error body is read this far, the rest dropped

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from engram_ray.errors import ConfigError
-from engram_ray.serve.config import ServeAppConfig
+from engram_ray.serve.settings.config import ServeAppConfig
 
 APP_IMPORT_PATH = "engram_ray.serve.app:build_app"
 GROUP_IMPORT_PATH = "engram_ray.serve.app:build_group"
@@ -39,7 +39,7 @@ def check_serve_config(data: dict, source: str) -> dict[str, ServeAppConfig]:
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
-    from engram_ray.serve.library_options import check_engine_kwargs, check_llm_options
+    from engram_ray.serve.settings.library_options import check_engine_kwargs, check_llm_options
 
     try:
         schema = ServeDeploySchema.model_validate(data)
@@ -66,8 +66,8 @@ def check_group_applications(applications, source: str) -> None:
     """Each front door (`build_app`) has one `build_group` application per group, named
     `<deployment.name>-group-<i>`, with no route, the front door's runtime_env and its args
     as `group_args` makes them; no group application is left without a front door."""
-    from engram_ray.serve.app import group_applications
-    from engram_ray.serve.config_change import changed_settings
+    from engram_ray.serve.settings.group_apps import group_applications
+    from engram_ray.serve.settings.config_change import changed_settings
 
     groups = {app.name: (idx, app) for idx, app in enumerate(applications)
               if app.import_path == GROUP_IMPORT_PATH}
@@ -105,7 +105,7 @@ def check_group_applications(applications, source: str) -> None:
 def group_app_configs(door: dict, import_path: str = GROUP_IMPORT_PATH) -> list[dict]:
     """The Serve config entries of the groups' applications of the front door entry `door`
     (what `check_group_applications` wants; `import_path`: another builder, tests)."""
-    from engram_ray.serve.app import group_applications
+    from engram_ray.serve.settings.group_apps import group_applications
 
     return [{"name": name, "route_prefix": None, "import_path": import_path,
              "runtime_env": door.get("runtime_env"), "args": args}

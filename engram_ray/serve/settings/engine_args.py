@@ -3,7 +3,7 @@ group's `LLMConfig`; a member sets them again when its settings roll in place)."
 
 from __future__ import annotations
 
-from engram_ray.serve.config import ServeAppConfig
+from engram_ray.serve.settings.config import ServeAppConfig
 
 
 def engine_kwargs(app: ServeAppConfig, on_engine_node: bool = False) -> dict:

@@ -3,7 +3,7 @@ deployment per peer group behind each model id instead of one.
 
 Routing: requests go in turn to the groups that serve (the coordinator's `routing`, long-polled
 by `GroupRouting`); inside a group Serve's router picks one of the members that serve
-(`engram_ray.serve.member_router.LiveMemberRouter`, reading `live_replica_ids`). A member whose
+(`engram_ray.serve.edge.member_router.LiveMemberRouter`, reading `live_replica_ids`). A member whose
 engine restarts gets no requests while its group's other members serve on; a group stops
 getting requests the moment the coordinator marks it broken (a member lost) or this ingress
 sees it fail. Faults as the client sees them:
@@ -58,7 +58,7 @@ _picked = contextvars.ContextVar("engram_picked_handle", default=None)
 # response headers GROUP_HEADER / GENERATION_HEADER.
 _route_note = contextvars.ContextVar("engram_route_note", default=None)
 GROUP_HEADER, GENERATION_HEADER = "x-engram-peer-group", "x-engram-generation"
-# The version of the engine settings that answered (`engram_ray.serve.config_change`).
+# The version of the engine settings that answered (`engram_ray.serve.settings.config_change`).
 CONFIG_HEADER = "x-engram-config"
 
 
@@ -73,7 +73,7 @@ class GroupLeft(Exception):
 
 
 # The replica ids of every member that serves, as this process's ingress last heard from the
-# coordinator (None: not known yet); read by `engram_ray.serve.member_router` in this process.
+# coordinator (None: not known yet); read by `engram_ray.serve.edge.member_router` in this process.
 _live_replicas: set[str] | None = None
 
 
@@ -336,8 +336,8 @@ class PeerGroupIngress(OpenAiIngress):
 
 def _config_of(chunk) -> str | None:
     """The settings version in a first chunk's `system_fingerprint`
-    (`engram_ray.serve.fingerprint.tag_generation`): a response, an SSE packet, or a list."""
-    from engram_ray.serve.fingerprint import fingerprint_parts
+    (`engram_ray.serve.edge.fingerprint.tag_generation`): a response, an SSE packet, or a list."""
+    from engram_ray.serve.edge.fingerprint import fingerprint_parts
 
     first = chunk[0] if isinstance(chunk, list) and chunk else chunk
     fingerprint = getattr(first, "system_fingerprint", None)

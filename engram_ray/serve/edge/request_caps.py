@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 
-from engram_ray.serve.config import RequestLimits
-from engram_ray.serve.request_checks import COMPLETIONS, CHAT, RequestRefused, json_kind
+from engram_ray.serve.settings.config import RequestLimits
+from engram_ray.serve.edge.request_checks import COMPLETIONS, CHAT, RequestRefused, json_kind
 
 VLLM_DEFAULT_COMPLETION_TOKENS = 16  # CompletionRequest.max_tokens when the client sends none
 # Guided decoding: vLLM compiles each into a grammar before the first token (CPU time and

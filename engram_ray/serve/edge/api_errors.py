@@ -5,7 +5,7 @@
 
 Messages never carry a traceback, a file path or an internal module/class name
 (`leaks(text)` finds them); 5xx messages are generic and name the request id, whose full text
-is in the server log. Pure functions: `engram_ray.serve.api_guard` applies them to every
+is in the server log. Pure functions: `engram_ray.serve.edge.api_guard` applies them to every
 response, `engram_ray.local.probes` checks bodies with `leaks`.
 """
 

@@ -33,7 +33,7 @@ GROUP_DEPLOYMENT_OPTIONS = {
     "health_check_period_s": "deployment.health_check_interval_s",
     "health_check_timeout_s": "deployment.max_missed_pings",
     "request_router_config": "nothing: requests go to the members that serve "
-                             "(engram_ray.serve.member_router)",
+                             "(engram_ray.serve.edge.member_router)",
     "name": "deployment.name"}
 
 

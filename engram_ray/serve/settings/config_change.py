@@ -14,8 +14,9 @@ import copy
 import hashlib
 import json
 
-from engram_ray.serve.config import (DEFAULT_ROLLOUT_MODE, FIXED_WHILE_SERVING,
-                                     FRONT_DOOR_SETTINGS, IN_PLACE_SETTINGS, KEPT_IN_GROUPS)
+from engram_ray.serve.settings.config import (DEFAULT_ROLLOUT_MODE, FIXED_WHILE_SERVING,
+                                              FRONT_DOOR_SETTINGS, IN_PLACE_SETTINGS,
+                                              KEPT_IN_GROUPS)
 
 
 def changed_settings(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -23,7 +23,7 @@ from engram_ray.config import Amount, Count, DeploymentConfig, Port, Seconds, Se
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.exposition import NODE_ADDRESS
 from engram_ray.planning.host_kv import HOST_KV_RESERVE_GIB, KV_OFFLOADING_ARG, offloading_gib
-from engram_ray.serve.library_options import refuse_owned_options
+from engram_ray.serve.settings.library_options import refuse_owned_options
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_INGRESS_REPLICAS = 2
@@ -32,12 +32,12 @@ DEFAULT_TARGETS_FILE = "/tmp/ray/engram/prom_targets.json"
 
 
 class RequestLimits(Section):
-    """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serve.api_guard`
+    """Per-request caps of the OpenAI endpoint, enforced by `engram_ray.serve.edge.api_guard`
     before a request reaches an engine; a request over one gets a 400 naming the cap and its
     setting. Generated tokens = prompts x n x max_tokens (chat: max_completion_tokens, else
     max_tokens); without them a completion counts vLLM's default 16 and a chat request what
     vLLM allows per choice: max_model_len less a token-id prompt, all of it for a text prompt
-    (`engram_ray.serve.request_caps`)."""
+    (`engram_ray.serve.edge.request_caps`)."""
 
     max_body_bytes: Count = Field(8 * 2**20, description=(
         "largest request body in bytes (8 MiB; 413 above it)"))

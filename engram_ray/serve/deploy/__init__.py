@@ -1,0 +1,6 @@
+"""Where a deployment runs and what it is checked against: the Serve, `ray up` and KubeRay files
+(`cluster_configs`, `store_sharing`: where `peer_group_store` must be shared) and a group placed
+again in another NVLink domain when its own is lost (`group_placement`).
+
+Imports: of `engram_ray.serve`, this room and `settings` only.
+"""
