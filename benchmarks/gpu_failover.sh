@@ -5,7 +5,8 @@
 # GPUs exist); a group of two meeting through its holders, no pidfd_getfd
 # (tests/gpu/test_peer_exchange.py); the cuda backend's group tests (test_peer_cuda.py,
 # test_deepseek_session.py: two-GPU cases where two GPUs exist). Files land in $OUT: env.txt
-# pytest.log (copy them to benchmarks/results/slice_failover/logs/).
+# pytest.log (summarize them in benchmarks/results/slice_failover/latest.md and a line of its
+# history.jsonl: commit, device, date, command, outcome; the logs stay out of the tree).
 # Usage: ENGRAM_COMMIT=<sha> bash benchmarks/gpu_failover.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"

@@ -86,8 +86,8 @@ TILE_CONFIGS = {
 # 288 bytes (sector-aligned values: 2-9% slower from 262K rows) were a launch worth keeping
 # (docs/lookup_experiments.md), so host tables are packed rows like the others.
 # (All of that on an 8 GiB table; for larger tables see LARGE_TILE_MIN_SHARE.)
-# Swept again on one H100 (2026-12-06, 9188997, benchmarks/results/model_lookup/logs/
-# 9188997_h100_host_sweep.*): 17 sorted launches, 1.05M and 1.57M rows of a 32 GiB table,
+# Swept again on one H100 (2026-12-06, 9188997, benchmarks/results/model_lookup/history.jsonl,
+# the "host launch sweep" line): 17 sorted launches, 1.05M and 1.57M rows of a 32 GiB table,
 # taking turns with vLLM 0.34's sorted launch: this one was the fastest or within 0.4% of it
 # (1.13-1.17x vLLM); 8, 4, 2, 1 programs per SM 1.04-1.06x down to 0.95-0.98x, 4 warps
 # 0.93-1.00x, the 16-row launches 0.73-1.05x, ids sorted by row instead of by block
