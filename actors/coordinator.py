@@ -199,6 +199,8 @@ class Coordinator(InPlaceRollMixin):
                                         member.get("targets") or {})
             if self._rebuild_until and self.book.is_complete():
                 self._end_rebuild_locked()
+            elif not self._rebuild_until:  # a late rejoin may change the table
+                self._routing_changed_locked()
             return self.incarnation
 
     def _wait_rebuilt(self) -> None:

@@ -35,7 +35,7 @@ class RebuildMixin:
                              a["store_dir"])
             if a.get("holder_token"):  # the members' holders check the one they were given
                 gen.holder_token = a["holder_token"]
-            if not _place(group, gen, member_role(member)):
+            if not _place(group, gen, member_role(member), bool(a.get("beside"))):
                 return False
         rank = a["member_rank"]
         gen.members[rank] = {"replica_id": member["replica_id"],
@@ -62,10 +62,12 @@ class RebuildMixin:
                 gen.took_over, gen.took_over_at = True, time.time()
 
     def is_complete(self) -> bool:
-        """Every group has a current generation with all its members known."""
+        """Every group has a current generation with all its members known, and none is a
+        gang started beside a serving one whose members have not all rejoined yet (ending
+        the rebuild then would route the group to the starting gang: not serving)."""
         size = self.config.peer_group_size
         return all(g.current is not None and len(g.current.members) == size
-                   for g in self.groups.values())
+                   and not g.current.awaits_serving for g in self.groups.values())
 
     def unclaimed_store_dirs(self) -> list[str]:
         """Generation folders under the groups' store roots that no current generation owns."""
@@ -85,22 +87,26 @@ def member_role(member: dict) -> str:
                                   else "starting")
 
 
-def _place(group, gen: Generation, role: str) -> bool:
+def _place(group, gen: Generation, role: str, beside: bool = False) -> bool:
     """Put a rebuilt generation where its member's `role` says, whatever order the members
     rejoin in: a serving gang is `current` (one rebuilt earlier from a starting gang's
     member moves to `next`), a starting gang is `next` beside a current one (or `current`
     alone: a first start, or a gang that took over from a `retired` one), a retired gang is
     `retired`. False when a newer generation holds the place (this gang is being
-    replaced)."""
+    replaced). `beside`: a starting gang that started beside a serving one (its assignment
+    says so): alone as `current`, it awaits that one (`Generation.awaits_serving`)."""
     gen.rebuilt_as = role
     if role == "retired":
         if group.retired is not None and group.retired.index > gen.index:
             return False
         group.retired = gen
+        if group.current is not None:  # the gang it waited for had been replaced already
+            group.current.awaits_serving = False
         return True
     current = group.current
     if current is None:
         group.current = gen
+        gen.awaits_serving = role == "starting" and beside and group.retired is None
         return True
     if role == "serving":
         if current.rebuilt_as == "starting" and current.index > gen.index:

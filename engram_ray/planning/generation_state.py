@@ -32,6 +32,9 @@ class Generation:
     retired_at: float | None = None                 # replaced by a rolling change: draining
     in_flight: dict = field(default_factory=dict)   # rank -> requests running (retired)
     rebuilt_as: str | None = None  # the role it was rebuilt in after a coordinator restart
+    # Rebuilt current from a member of a gang that started beside a serving one, which has not
+    # rejoined yet: the rebuild is not complete until it has (or its wait ends).
+    awaits_serving: bool = False
 
     def is_serving(self, size: int) -> bool:
         return (self.broken is None and len(self.ready_at) == size

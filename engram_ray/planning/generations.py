@@ -119,6 +119,8 @@ class GenerationBook(RolloutMixin, RebuildMixin):
                 "size": dep.peer_group_size, "generation": gen.generation,
                 "generation_index": gen.index, "gang_id": gen.gang_id,
                 "store_dir": gen.store_dir, "holder_token": gen.holder_token,
+                "beside": group.next is gen,  # started beside a serving gang (a rebuild
+                                              # waits for that one too)
                 "timeout_s": dep.rendezvous_timeout_s, "backend": dep.table_backend,
                 "handle_type": dep.handle_type,
                 "slices": [(s.layer_id, s.start, s.end)
