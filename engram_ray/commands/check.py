@@ -8,7 +8,15 @@
 - KubeRay manifest (one or more documents, one `kind: RayService`): each RayService's embedded
   `spec.serveConfigV2` through the same Serve checks, and each application's
   `peer_group_store` on one claim shared by the head and every GPU worker pod where its groups
-  span pods (`engram_ray.serve.deploy.store_sharing`; a Serve YAML alone says where it must be).
+  span pods (`engram_ray.serve.deploy.store_sharing`; a Serve YAML alone says where it must be),
+  its groups against its own `rayClusterConfig` and its metrics ports against its containers'
+  ports and PodMonitors (`engram_ray.serve.deploy.metrics_ports`).
+
+Pairs (`--cluster CLUSTER`, a `ray up` file or a KubeRay manifest with a RayCluster or a
+RayService): each Serve YAML is also checked against the cluster it will be deployed on: every
+peer group placed in the cluster's NVLink domains, each node's engines within its CPUs, and with
+`docker:` in a `ray up` file the model folder and a shared store mounted into the containers
+(`engram_ray.serve.deploy.cluster_fit`).
 
 One line per file, `OK FILE (kind: ...)` or `FAILED FILE: field: problem`; exit 1 if any failed.
 """
@@ -26,6 +34,9 @@ def configure(parser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML files to check")
     parser.add_argument("--label-key", default=DEFAULT_DOMAIN_LABEL_KEY,
                         help="NVLink-domain node label the `ray up` files must set")
+    parser.add_argument("--cluster", metavar="CLUSTER",
+                        help="the `ray up` file or KubeRay RayCluster/RayService manifest the "
+                             "Serve YAMLs are deployed on: their groups must fit it")
 
 
 def run(args) -> int:
@@ -33,7 +44,7 @@ def run(args) -> int:
     for path in args.files:
         try:
             try:
-                summary = check_file(path, args.label_key)
+                summary = check_file(path, args.label_key, args.cluster)
             except ImportError as exc:  # `pip install engram-ray` without an extra: no Ray
                 raise EngramRayError(f"checking needs Ray Serve's schemas ({exc}); install "
                                      "engram-ray[cpu] or engram-ray[gpu]") from None
@@ -81,8 +92,10 @@ def _apps(apps: dict) -> str:
         f"{'s' if config.serving.num_peer_groups != 1 else ''}" for name, config in apps.items())
 
 
-def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
-    """Validate one file; a one-line summary if it passes, else ConfigError naming the field."""
+def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY,
+               cluster: str | None = None) -> str:
+    """Validate one file (a Serve YAML against `cluster` too, when given); a one-line summary
+    if it passes, else ConfigError naming the field."""
     from engram_ray.serve.deploy.cluster_configs import check_ray_up_config, check_serve_config
 
     docs = _documents(path)
@@ -94,7 +107,8 @@ def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
         from engram_ray.serve.deploy.store_sharing import serve_note
 
         apps = check_serve_config(docs[0], path)
-        return f"Serve: {_apps(apps)}{serve_note(apps)}"
+        fit = _check_pair(apps, path, cluster, label_key) if cluster else ""
+        return f"Serve: {_apps(apps)}{serve_note(apps)}{fit}"
     if kind == "ray-up":
         check_ray_up_config(docs[0], path, label_key)
         data = docs[0]
@@ -103,10 +117,38 @@ def check_file(path: str, label_key: str = DEFAULT_DOMAIN_LABEL_KEY) -> str:
     return _check_kuberay(path, docs)
 
 
+def _check_pair(apps: dict, path: str, cluster: str, label_key: str) -> str:
+    """The Serve YAML's apps against the cluster file: groups placed, containers' mounts."""
+    from engram_ray.serve.deploy import cluster_fit
+    from engram_ray.serve.deploy.cluster_configs import check_ray_up_config
+
+    docs = _documents(cluster)
+    try:
+        kind = kind_of(docs)
+    except ConfigError as exc:
+        raise ConfigError(f"--cluster {cluster}: {exc.field}", exc.problem,
+                          "a `ray up` file or a KubeRay manifest with a RayCluster or "
+                          "RayService") from None
+    if kind == "ray-up":
+        check_ray_up_config(docs[0], cluster, label_key)
+        hosts = cluster_fit.ray_up_hosts(docs[0])
+        cluster_fit.check_ray_up_mounts(docs[0], apps, hosts, cluster, path)
+        return cluster_fit.check_fit(apps, hosts, path, cluster)
+    specs = [((d.get("spec") or {}).get("rayClusterConfig") if d.get("kind") == "RayService"
+              else d.get("spec")) for d in docs
+             if isinstance(d, dict) and d.get("kind") in ("RayService", "RayCluster")]
+    if len(specs) != 1 or not isinstance(specs[0], dict):
+        raise ConfigError(f"--cluster {cluster}", f"holds {len(specs)} RayCluster or "
+                          "RayService documents with a cluster spec", "exactly one")
+    return cluster_fit.check_fit(apps, cluster_fit.kuberay_hosts(specs[0]), path, cluster)
+
+
 def _check_kuberay(path: str, docs: list) -> str:
     import yaml
 
+    from engram_ray.serve.deploy import cluster_fit
     from engram_ray.serve.deploy.cluster_configs import check_serve_config
+    from engram_ray.serve.deploy.metrics_ports import check_kuberay_ports
     from engram_ray.serve.deploy.store_sharing import check_kuberay_store
 
     services = [(i, d) for i, d in enumerate(docs)
@@ -130,5 +172,10 @@ def _check_kuberay(path: str, docs: list) -> str:
         if not isinstance(serve, dict):
             raise ConfigError(where, f"holds a {type(serve).__name__}", "a YAML mapping")
         apps = check_serve_config(serve, where)
-        summaries.append(f"{name}: {_apps(apps)}{check_kuberay_store(service, apps, where)}")
+        store = check_kuberay_store(service, apps, where)
+        ports = check_kuberay_ports(service, docs, apps, where)
+        hosts = cluster_fit.kuberay_hosts((service.get("spec") or {}).get("rayClusterConfig")
+                                          or {})
+        fit = cluster_fit.check_fit(apps, hosts, where, "its rayClusterConfig")
+        summaries.append(f"{name}: {_apps(apps)}{store}{ports}{fit}")
     return f"KubeRay RayService {'; '.join(summaries)}"

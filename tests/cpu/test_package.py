@@ -39,6 +39,7 @@ def test_wheel_install_imports_subpackages_and_presets(tmp_path):
             "assert str(d).startswith(sys.argv[1]), d;"
             "assert (d / 'prometheus.yml').is_file() and (d / 'engram_memory.json').is_file();"
             "assert (c / 'kuberay' / 'rayservice_gb300_nvl72.yaml').is_file();"
+            "assert (c / 'kuberay' / 'checkpoint' / 'engram_models.yaml').is_file();"
             "print(l.load_layout('deepseek-v4.1-flash').num_cols)")
     result = subprocess.run([sys.executable, "-S", "-c", code, str(site)], capture_output=True,
                             text=True, timeout=60)

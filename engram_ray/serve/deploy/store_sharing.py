@@ -47,7 +47,8 @@ def serve_note(apps: dict) -> str:
     return note
 
 
-def _gpus(container: dict) -> int:
+def container_gpus(container: dict) -> int:
+    """The GPUs a pod's container asks for (its nvidia.com/gpu limit, else request)."""
     resources = container.get("resources") or {}
     for kind in ("limits", "requests"):
         value = (resources.get(kind) or {}).get(GPU_RESOURCE)
@@ -77,8 +78,9 @@ def check_kuberay_store(service: dict, apps: dict, where: str) -> str:
     workers = [(w.get("groupName", "?"), w.get("template") or {})
                for w in spec.get("workerGroupSpecs") or []]
     gpu_workers = [(name, t) for name, t in workers
-                   if _gpus(((t.get("spec") or {}).get("containers") or [{}])[0])]
-    gpus_per_host = max((_gpus(t["spec"]["containers"][0]) for _, t in gpu_workers), default=0)
+                   if container_gpus(((t.get("spec") or {}).get("containers") or [{}])[0])]
+    gpus_per_host = max((container_gpus(t["spec"]["containers"][0]) for _, t in gpu_workers),
+                        default=0)
     notes = []
     for name, app in apps.items():
         reason = spans_hosts(app.deployment, gpus_per_host or None)

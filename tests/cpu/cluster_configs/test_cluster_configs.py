@@ -144,3 +144,24 @@ def test_local_provider_refuses_node_type_labels():
     data["head_node_type"] = "gpu"
     with pytest.raises(ConfigError, match="ignored by the local provider"):
         check_ray_up_config(data, "broken.yaml", DEFAULT_DOMAIN_LABEL_KEY)
+
+
+@pytest.mark.parametrize("path", RAY_UP_FILES, ids=lambda p: p.name)
+def test_ray_up_commands_run_where_they_are_run(path):
+    """#46 item 3: in Docker, the setup and start commands run inside the image, which has no
+    sudo (docker/Dockerfile); the Prometheus a head starts is installed there: in the image
+    (Dockerfile) or by the head's setup commands."""
+    data = read_yaml(path)
+    in_image = () if not data.get("docker") else (
+        "setup_commands", "head_setup_commands", "worker_setup_commands",
+        "head_start_ray_commands", "worker_start_ray_commands")
+    for key in in_image:
+        assert not any("sudo " in c for c in data.get(key, [])), (key, data[key])
+    if any("prometheus --config.file" in c for c in data["head_start_ray_commands"]):
+        dockerfile = (CONFIGS.parent / "docker" / "Dockerfile").read_text()
+        installs = " ".join(data.get("head_setup_commands", []) + data.get("setup_commands", []))
+        if data.get("docker"):
+            assert " prometheus " in dockerfile.split("apt-get install", 1)[1].split("&&")[0]
+        else:
+            assert "apt-get install" in installs and "prometheus" in installs
+            assert "systemctl disable --now prometheus" in installs  # its port is ours

@@ -62,8 +62,23 @@ def test_every_package_folder_is_copied():
     assert folders <= copied, f"not in the image: {folders - copied}"
     for source in copied:
         assert (ROOT / source).exists(), source
-    for tag in TAG_ARCH:  # the header's build commands make the tags the cluster files use
-        assert f"-t {tag} ." in DOCKERFILE.read_text()
+
+
+BUILD = ("docker buildx build --platform linux/$ARCH -f docker/Dockerfile "
+         "-t $REGISTRY/engram-ray:0.1.0-$ARCH --push .")
+
+
+def test_one_image_build_command_everywhere():
+    """#46 item 3: the Dockerfile's header, the README and docs/operators.md give the same build
+    command, and with ARCH amd64 or arm64 it makes the tags the cluster files use."""
+    for path in (DOCKERFILE, ROOT / "README.md", ROOT / "docs" / "operators.md"):
+        text = path.read_text()
+        commands = [" ".join(line.lstrip("#").split()) for line in text.splitlines()
+                    if "docker buildx build" in line or "docker build " in line]
+        assert commands == [BUILD], (path.name, commands)
+    for tag, arch in TAG_ARCH.items():  # the tags the cluster files use
+        command = BUILD.replace("$ARCH", arch)
+        assert f"--platform linux/{arch} " in command and f"-t $REGISTRY/{tag} " in command
 
 
 def images_and_arches():
@@ -78,6 +93,13 @@ def images_and_arches():
                 arch = spec["nodeSelector"]["kubernetes.io/arch"]
                 for container in spec["containers"] + spec.get("initContainers", []):
                     yield path.name, container["image"], arch
+    for path in sorted((ROOT / "cluster_configs" / "kuberay" / "checkpoint").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] == "Job":
+                spec = doc["spec"]["template"]["spec"]
+                for container in spec["containers"]:
+                    yield path.name, container["image"], spec["nodeSelector"][
+                        "kubernetes.io/arch"]
     ray_up = yaml.safe_load((ROOT / "cluster_configs" / "ray_up_gb300_nvl72.yaml").read_text())
     yield "ray_up_gb300_nvl72.yaml", ray_up["docker"]["image"], "arm64"
 

@@ -382,3 +382,35 @@ def test_every_scraped_target_gets_the_cluster_label(manifest):
             assert cluster == [{"targetLabel": "cluster", "replacement": name}], (
                 monitor["metadata"]["name"], endpoint["port"])
             assert cluster[0].get("action", "replace") == "replace"
+
+
+CHECKPOINT = KUBERAY / "checkpoint" / "engram_models.yaml"
+
+
+def test_checkpoint_claim_is_filled_by_a_job_and_mounted_read_only(manifest):
+    """#46 item 3: the models' claim is ReadWriteMany and filled by a Job of its own manifest
+    (a step that can run), writing where serving.model_source points; the RayService mounts it
+    read-only and does not create it (so it can be applied after the Job completed)."""
+    _, docs = manifest
+    checkpoint = docs_of(CHECKPOINT)
+    [claim], [job] = checkpoint["PersistentVolumeClaim"], checkpoint["Job"]
+    for doc in (claim, job):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert all(c["metadata"]["name"] != claim["metadata"]["name"]
+               for c in docs.get("PersistentVolumeClaim", []))
+    model_source = app_config(rayservice(docs)).serving.model_source
+    pod = job["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"]
+                if v["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]]
+    [container] = pod["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert not mount.get("readOnly") and model_source.startswith(mount["mountPath"] + "/")
+    assert f'local_dir="{model_source}"' in " ".join(container["command"])
+    for group, kind in groups(rayservice(docs))[1:]:
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        [mount] = [m for m in ray_container(group)["volumeMounts"]
+                   if model_source.startswith(m["mountPath"] + "/")]
+        source = volumes[mount["name"]]["persistentVolumeClaim"]
+        assert source == {"claimName": claim["metadata"]["name"], "readOnly": True}, kind
+        assert mount.get("readOnly") is True, kind
