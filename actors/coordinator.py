@@ -9,7 +9,10 @@ id opens one: fresh FileStore folder, old one removed), each member's slices, an
 every engine's /metrics for Prometheus: written as a file_sd list on the head node
 (`serving.prometheus_targets_file`, for `ray up`), served as Prometheus HTTP service discovery
 when `serving.http_sd_port` is set (GET /targets, for Prometheus in another pod), and the slot
-of each engine on its node (0, 1, ...: its fixed ports with `serving.metrics_port`).
+of each engine on its node (0, 1, ...: its fixed ports with `serving.metrics_port`). Its own
+series (groups configured and serving, a roll's progress, its restarts:
+`engram_ray.metrics.coordinator`) are at GET /metrics of the same endpoint (a free port when
+`http_sd_port` is 0), listed among the targets as `endpoint="coordinator"`.
 
 Routing (`routing`, long-polled by the ingress): a group serves while every member of its
 generation has been ready, none is lost and one at least is not restarting; the ingress sends
@@ -54,8 +57,9 @@ import ray
 from engram_ray.actors.coordinator_roll import InPlaceRollMixin
 from engram_ray.actors.lifetime import (APP_CHECK_S, REBUILD_WAIT_S, ApplicationWatch,
                                         is_restarted_actor, save_settings, saved_settings)
+from engram_ray.metrics.coordinator import CoordinatorMetrics, snapshot_of
 from engram_ray.metrics.exposition import TargetsServer
-from engram_ray.metrics.target_book import TargetBook
+from engram_ray.metrics.target_book import COORDINATOR_KEY, TargetBook
 from engram_ray.planning.assignment import remove_store_dir
 
 logger = logging.getLogger(__name__)
@@ -111,11 +115,15 @@ class Coordinator(InPlaceRollMixin):
                          name="engram-member-watch").start()
         threading.Thread(target=self._follow_capacity, args=(CapacityFollower(),), daemon=True,
                          name="engram-capacity-watch").start()
-        self.sd_server = None
-        if config.serving.http_sd_port:
-            self.sd_server = TargetsServer(self.target_groups,
-                                           config.serving.metrics_bind_address,
-                                           config.serving.http_sd_port)
+        started_at = time.time()
+        self.metrics = CoordinatorMetrics(config.deployment.model, self.deployment_name,
+                                          lambda: self._snapshot(started_at, restarted))
+        self.sd_server = TargetsServer(
+            self.target_groups if config.serving.http_sd_port else None,
+            config.serving.metrics_bind_address, config.serving.http_sd_port,
+            registry=self.metrics.registry)
+        self.metric_targets.register(COORDINATOR_KEY, self.sd_server.target(
+            ray.util.get_node_ip_address()), {"endpoint": "coordinator"})
         if self._rebuild_until:
             logger.warning("engram-ray: coordinator %s restarted; rebuilding its groups from "
                            "their members for up to %.0f s", self.deployment_name,
@@ -390,6 +398,10 @@ class Coordinator(InPlaceRollMixin):
                     save_settings(coordinator_name(self.deployment_name), app_config_dict,
                                   domains, self.lineage)
                     self._routing_changed_locked()
+
+    def _snapshot(self, started_at: float, restarted: bool):
+        with self._lock:
+            return snapshot_of(self.config, self.book, self.roll, started_at, restarted)
 
     def status(self) -> dict:
         self._wait_rebuilt()

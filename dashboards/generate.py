@@ -22,6 +22,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 SEL = ('cluster=~"$cluster", job=~"$job", model=~"$model", engine=~"$engine", '
        'peer_group=~"$peer_group"')
+# The coordinator's series (engram_ray.metrics.coordinator): per deployment, no engine or group.
+COORD_SEL = 'cluster=~"$cluster", job=~"$job", model=~"$model"'
 # Variables a panel query filters on, in the order Grafana shows them.
 TEMPLATE_LABELS = ("cluster", "job", "model", "engine", "peer_group")
 RATE = "$__rate_interval"
@@ -123,6 +125,31 @@ def memory_dashboard() -> dict:
             f"max by (engine) (engram_slices_reattached{{{SEL}}})", by_engine)],
             "1: the engine mapped its slices from their holders (a restart in place, no "
             "checkpoint read); 0: it filled them (a gang's first start)"),
+        panel("Peer groups configured and serving", "short", [
+            target(f"max by (deployment) (engram_groups_configured{{{COORD_SEL}}})",
+                   "configured {{deployment}}"),
+            target(f"max by (deployment) (engram_groups_serving{{{COORD_SEL}}})",
+                   "serving {{deployment}}"),
+            target(f"max by (deployment) (engram_groups_rolling{{{COORD_SEL}}})",
+                   "new gang beside or old one draining {{deployment}}")],
+            "From the coordinator: groups the deployment asks for, groups the ingress sends "
+            "requests to (a group whose engines are all gone counts here and nowhere else)"),
+        panel("Rolling change", "short", [
+            target(f"max by (deployment) (engram_roll_members_done{{{COORD_SEL}}}) / max by "
+                   f"(deployment) (engram_roll_members{{{COORD_SEL}}} > 0)",
+                   "fraction of members on the latest settings {{deployment}}"),
+            target(f"max by (deployment) (engram_roll_in_progress{{{COORD_SEL}}})",
+                   "under way {{deployment}}"),
+            target(f"max by (deployment) (engram_roll_stopped{{{COORD_SEL}}})",
+                   "stopped {{deployment}}")],
+            "A serve deploy of changed settings rolls them out: the fraction of members done, "
+            "1 while it is under way, 1 when it stopped (an engine would not start with the "
+            "new settings; engram-ray status says which)"),
+        panel("Coordinator uptime", "s", [target(
+            f"time() - max by (deployment) (engram_coordinator_start_time_seconds"
+            f"{{{COORD_SEL}}})", "{{deployment}}")],
+            "Seconds since the coordinator's process started: a drop is a restart (its groups "
+            "serve on; it rebuilds its book from the members)"),
     ])
 
 
@@ -161,6 +188,18 @@ ENGINE_RESTARTS_PER_HOUR = 3
 # ports) and the port name Prometheus Operator's PodMonitor puts there (engram-<s>[-model]).
 ENGINE_ENDPOINTS = 'endpoint=~"replica|model|engram-[0-9]+(-model)?"'
 
+# The coordinator's alerts: a group counted configured but not serving for this long (a cold
+# start of DeepSeek-V4.1-Flash takes minutes; a rolling change `restart` stops every group);
+# a roll under way this long; a coordinator restart reported this long after it happened.
+GROUPS_NOT_SERVING_FOR = "15m"
+ROLL_SLOW_FOR = "2h"
+COORDINATOR_RESTART_WINDOW_S = 900
+COORDINATOR_DOWN_FOR = "5m"
+# The coordinator's endpoint: file_sd / http_sd label `coordinator`, the head's port name on
+# KubeRay (serving.http_sd_port's container port, scraped by the PodMonitor) `engram-sd`.
+COORDINATOR_ENDPOINT = 'endpoint=~"coordinator|engram-sd"'
+COORD_BY = "cluster, job, model, deployment"
+
 HEADROOM_LOW_RATIO = 0.1
 HEADROOM_LOW_FOR = "10m"
 ALERTS_FILE = "engram_alerts.yml"
@@ -177,7 +216,9 @@ def alert(name: str, expr: str, duration: str, severity: str, summary: str,
 def build_rules() -> dict:
     """Prometheus rule file (alerting rules) over the series the engines export
     (engram_ray.metrics.engine): not-serving peer groups, engines down, generation churn,
-    engines restarting in place too long or too often, KV headroom."""
+    engines restarting in place too long or too often, KV headroom; and over the coordinator's
+    (engram_ray.metrics.coordinator): groups configured but not serving, a roll stopped or
+    slow, the coordinator restarted or down."""
     return {"groups": [{"name": "engram-ray", "rules": [
         alert("EngramPeerGroupUnhealthy",
               f"min by ({GROUP_BY}) (engram_group_healthy) == 0", UNHEALTHY_FOR, "critical",
@@ -216,6 +257,42 @@ def build_rules() -> dict:
               f"place more than {ENGINE_RESTARTS_PER_HOUR} times in the last hour (each one "
               "costs the group an engine for tens of seconds): its engine keeps dying; check "
               "the replica's log for the cause (engram-ray status, `engine died`)."),
+        alert("EngramGroupsNotServing",
+              f"max by ({COORD_BY}) (engram_groups_configured - engram_groups_serving) > 0",
+              GROUPS_NOT_SERVING_FOR, "critical",
+              "{{ $value }} peer groups of {{ $labels.deployment }} are not serving",
+              "The coordinator of {{ $labels.deployment }} counts {{ $value }} of its "
+              f"configured peer groups not serving for {GROUPS_NOT_SERVING_FOR} (started, "
+              "restarting or lost, including groups whose engines are all gone): their "
+              "capacity is lost; engram-ray status says why for each."),
+        alert("EngramRollStopped",
+              f"max by ({COORD_BY}) (engram_roll_stopped) == 1", "0m", "warning",
+              "The rolling change of {{ $labels.deployment }} stopped",
+              "A member's engine of {{ $labels.deployment }} would not start with the new "
+              "settings: it serves on the old ones and the roll goes no further. engram-ray "
+              "status names the member and the reason; deploy fixed settings (or the old file)."),
+        alert("EngramRollSlow",
+              f"max by ({COORD_BY}) (engram_roll_in_progress) == 1", ROLL_SLOW_FOR, "warning",
+              f"A rolling change of {{{{ $labels.deployment }}}} is under way for {ROLL_SLOW_FOR}",
+              "Settings of {{ $labels.deployment }} have been rolling out for "
+              f"{ROLL_SLOW_FOR}: a group may not be whole (a roll waits for it), or a gang "
+              "started beside may not take over; see engram_roll_members_done and engram-ray "
+              "status."),
+        alert("EngramCoordinatorRestarted",
+              f"max by ({COORD_BY}) (time() - engram_coordinator_start_time_seconds < "
+              f"{COORDINATOR_RESTART_WINDOW_S}) and max by ({COORD_BY}) "
+              "(engram_coordinator_restarted) == 1", "0m", "warning",
+              "The coordinator of {{ $labels.deployment }} restarted",
+              "The coordinator actor of {{ $labels.deployment }} was restarted by Ray in the "
+              f"last {COORDINATOR_RESTART_WINDOW_S // 60} minutes (its process died): its groups "
+              "served on and it rebuilt its book from the members; find why it died in the "
+              "head's Ray logs."),
+        alert("EngramCoordinatorDown",
+              f"up{{{COORDINATOR_ENDPOINT}}} == 0", COORDINATOR_DOWN_FOR, "warning",
+              "Coordinator endpoint {{ $labels.instance }} is down",
+              f"Prometheus cannot scrape the coordinator at {{{{ $labels.instance }}}} for "
+              f"{COORDINATOR_DOWN_FOR}: the groups serve on with the routing they have, but "
+              "no group is restarted, rolled or placed again until it is back."),
         alert("EngramKVCacheHeadroomLow",
               "min by (cluster, job, model, peer_group, engine) (engram_kv_cache_headroom_bytes"
               " / (engram_kv_cache_capacity_bytes > 0)) "

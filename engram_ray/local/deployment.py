@@ -277,12 +277,14 @@ class LocalDeployment:
         return result.choices[0].text
 
     def targets(self) -> list[str]:
+        """The engines' `host:port` targets (the coordinator's own endpoint left out)."""
         import json
 
         path = self.config.serving.prometheus_targets_file
         if not os.path.exists(path):
             return []
-        return [t for group in json.loads(Path(path).read_text()) for t in group["targets"]]
+        return [t for group in json.loads(Path(path).read_text()) for t in group["targets"]
+                if group.get("labels", {}).get("endpoint") != "coordinator"]
 
     def metrics_texts(self) -> tuple[dict[str, str], list[str]]:
         """(target -> /metrics text, targets listed but not answering). A target stays listed

@@ -131,24 +131,37 @@ def write_file_sd(path: str, targets: dict[str, dict]) -> None:
 
 
 class TargetsServer:
-    """Prometheus HTTP service discovery (`http_sd_configs`): GET `/targets` answers the
-    target groups `get_groups()` returns, as JSON; anything else is a 404. Port 0 picks a free
-    port. Runs in a daemon thread of its owner (the coordinator)."""
+    """The coordinator's HTTP endpoint: GET `/targets` answers the target groups `get_groups()`
+    returns, as JSON (Prometheus `http_sd_configs`; only when `get_groups` is given), GET
+    `/metrics` the series of `registry` (the coordinator's own, `engram_ray.metrics.coordinator`;
+    only when given); anything else is a 404. Port 0 picks a free port. Runs in a daemon thread
+    of its owner (the coordinator)."""
 
     PATH = "/targets"
+    METRICS_PATH = "/metrics"
 
-    def __init__(self, get_groups, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0):
+    def __init__(self, get_groups, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0,
+                 registry=None):
         import http.server
         import threading
 
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        paths = [p for p, on in ((TargetsServer.PATH, get_groups),
+                                 (TargetsServer.METRICS_PATH, registry)) if on is not None]
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
-                if self.path.split("?")[0] != TargetsServer.PATH:
-                    self.send_error(404, f"only {TargetsServer.PATH}")
+                path = self.path.split("?")[0]
+                if path == TargetsServer.PATH and get_groups is not None:
+                    body, kind = json.dumps(get_groups()).encode(), "application/json"
+                elif path == TargetsServer.METRICS_PATH and registry is not None:
+                    body, kind = generate_latest(registry), CONTENT_TYPE_LATEST
+                else:
+                    self.send_error(404, f"only {' and '.join(paths)}")
                     return
-                body = json.dumps(get_groups()).encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -166,10 +179,18 @@ class TargetsServer:
                               "is taken on the head node", "another port, or 0 for none"
                               ) from exc
         self._server.daemon_threads = True
+        self.bind_address = bind_address
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="engram-http-sd")
         self._thread.start()
+
+    def target(self, advertise_host: str | None = None) -> str:
+        """`host:port` for Prometheus (as `MetricsServer.target`)."""
+        host = self.bind_address
+        if host in ("0.0.0.0", "::", ""):
+            host = advertise_host or "127.0.0.1"
+        return f"{host}:{self.port}"
 
     def stop(self) -> None:
         self._server.shutdown()

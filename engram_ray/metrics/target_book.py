@@ -12,6 +12,7 @@ import logging
 from engram_ray.metrics.exposition import target_groups, write_file_sd
 
 logger = logging.getLogger(__name__)
+COORDINATOR_KEY = "coordinator"  # the coordinator's own endpoint: kept until `clear`
 
 
 class TargetBook:
@@ -55,7 +56,8 @@ class TargetBook:
         for taken in self.slots.values():
             for slot in [s for s, holder in taken.items() if not is_kept(holder)]:
                 del taken[slot]
-        stale = [k for k in self.targets if not is_kept(k.split("/")[0])]
+        stale = [k for k in self.targets
+                 if k != COORDINATOR_KEY and not is_kept(k.split("/")[0])]
         for key in stale:
             del self.targets[key]
         if stale:

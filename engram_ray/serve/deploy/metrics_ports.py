@@ -5,16 +5,20 @@ With `serving.metrics_port` P > 0 the engine in slot s of a pod serves /metrics 
 `engram_ray.metrics.exposition`; one engine per `num_gpus_per_engine` GPUs of the pod. A
 PodMonitor scrapes a pod's ports by name, so every GPU worker container must list exactly those
 ports under those names, and a PodMonitor selecting the engine pods must scrape each of them;
-`serving.http_sd_port` (the coordinator's HTTP service discovery, on the head) must be a port of
-the head's container. With P = 0 the ports are free ones: no PodMonitor can name them, so a
+`serving.http_sd_port` (the coordinator's HTTP service discovery and its own /metrics, on the
+head) must be a port of the head's container, scraped by a PodMonitor that selects the head. With P = 0 the ports are free ones: no PodMonitor can name them, so a
 manifest whose PodMonitor selects engine pods is refused (use P > 0, or http_sd).
 """
 
 from __future__ import annotations
 
+import re
+
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.exposition import ENDPOINTS, metrics_port, port_name
 from engram_ray.serve.deploy.store_sharing import container_gpus
+
+ENGINE_PORT = re.compile(r"engram-\d+(-model)?")  # port_name's names, not engram-sd
 
 
 def _ray_container(template: dict) -> dict:
@@ -37,12 +41,27 @@ def check_kuberay_ports(service: dict, docs: list, apps: dict, where: str) -> st
         srv, dep = app.serving, app.deployment
         at = f"{where}: application {name}"
         if srv.http_sd_port:
-            head_ports = {p.get("containerPort") for p in _ray_container(head).get("ports") or []}
+            head_ports = {p.get("containerPort"): p.get("name")
+                          for p in _ray_container(head).get("ports") or []}
             if srv.http_sd_port not in head_ports:
                 raise ConfigError(f"{at}: serving.http_sd_port", f"is {srv.http_sd_port}, no "
                                   "containerPort of the head's Ray container",
                                   f"- {{containerPort: {srv.http_sd_port}, name: engram-sd}} "
                                   "in headGroupSpec's container ports")
+            # The coordinator's own /metrics is on that port: scraped where the head is.
+            head_labels = ((head.get("metadata") or {}).get("labels")) or {}
+            on_head = [m for m in monitors if _selects(m, head_labels)]
+            sd_name = head_ports[srv.http_sd_port]
+            if on_head and not any(e.get("port") == sd_name
+                                   for m in on_head
+                                   for e in (m.get("spec") or {}).get("podMetricsEndpoints")
+                                   or []):
+                raise ConfigError(f"{at}: serving.http_sd_port", f"is {srv.http_sd_port}, the "
+                                  "coordinator's /metrics, but PodMonitor "
+                                  f"{on_head[0]['metadata'].get('name', '?')} (on the head) "
+                                  f"scrapes no port {sd_name}",
+                                  f"- {{port: {sd_name}, path: /metrics}} in its "
+                                  "podMetricsEndpoints")
         for group in cluster.get("workerGroupSpecs") or []:
             template = group.get("template") or {}
             container = _ray_container(template)
@@ -56,7 +75,7 @@ def check_kuberay_ports(service: dict, docs: list, apps: dict, where: str) -> st
                         for p in container.get("ports") or []}
             if not srv.metrics_port:
                 names = [m["metadata"].get("name") for m in scraping
-                         if any(str(e.get("port", "")).startswith("engram-")
+                         if any(ENGINE_PORT.fullmatch(str(e.get("port", "")))
                                 for e in m["spec"].get("podMetricsEndpoints") or [])]
                 if names:
                     raise ConfigError(f"{at}: serving.metrics_port", f"is 0 (free ports), "
@@ -78,7 +97,7 @@ def check_kuberay_ports(service: dict, docs: list, apps: dict, where: str) -> st
                         f"- {{containerPort: {number}, name: {port}}} for each slot s < "
                         f"{engines}: engram-<s> on {srv.metrics_port} + 2s, engram-<s>-model "
                         "on the next")
-            extra = sorted(p for p in declared if p and p.startswith("engram-")
+            extra = sorted(p for p in declared if p and ENGINE_PORT.fullmatch(p)
                            and p not in expected)
             if extra:
                 raise ConfigError(f"{at}: serving.metrics_port", f"gives {kind} {engines} "

@@ -177,7 +177,7 @@ class ServingConfig(Section):
     num_cpus_per_replica: Amount = Field(1.0, description=(
         "CPUs of one replica (and its engine); left out: `deployment.num_cpus_per_engine`"))
     metrics_bind_address: Text = Field(NODE_ADDRESS, description=(
-        "address the engines' /metrics and the coordinator's http_sd listen on: `node` (the "
+        "address the engines' /metrics and the coordinator's endpoint listen on: `node` (the "
         "node's own address as Ray reports it, `ray.util.get_node_ip_address()`: what "
         "Prometheus scrapes), an address (`127.0.0.1` locally), or `0.0.0.0` (every interface; "
         "only when set)"))
@@ -189,9 +189,11 @@ class ServingConfig(Section):
     http_sd_port: Port = Field(0, description=(
         "port on the head node (the coordinator) of a Prometheus HTTP service-discovery "
         "endpoint, `GET /targets` in the `http_sd_configs` format, listing every engine's "
-        "/metrics; 0: none (file_sd only)"))
+        "/metrics, beside the coordinator's own `GET /metrics`; 0: no `/targets` (file_sd "
+        "only) and the coordinator's /metrics on a free port (in the targets list)"))
     prometheus_targets_file: Text = Field(DEFAULT_TARGETS_FILE, description=(
-        "file_sd list of every engine's /metrics, kept current on the head node"))
+        "file_sd list of every engine's /metrics and the coordinator's, kept current on the "
+        "head node"))
     request_limits: RequestLimits = Field(default_factory=RequestLimits, description=(
         "per-request caps of the OpenAI endpoint (`RequestLimits`; 400 naming the cap, 413 "
         "for the body)"))

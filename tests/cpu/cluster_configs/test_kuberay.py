@@ -329,12 +329,13 @@ def test_podmonitor_scrapes_every_ray_pod(manifest):
     monitor, _ = monitors(docs)
     selector = monitor["spec"]["selector"]["matchLabels"]
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert ports == {"metrics", "engram-sd"}  # Ray's export everywhere, the coordinator's
     for group, kind in groups(service):
         labels = group["template"]["metadata"]["labels"]
         assert selector.items() <= labels.items(), kind
         named = {p["name"]: p["containerPort"] for p in ray_container(group)["ports"]}
-        assert ports <= set(named), kind
         assert named["metrics"] == int(group["rayStartParams"]["metrics-export-port"])
+        assert ("engram-sd" in named) == (kind == "head"), kind
 
 
 def test_engine_metrics_ports_are_fixed_named_and_scraped(manifest):

@@ -215,3 +215,15 @@ def test_http_sd_port_must_be_a_port_of_the_head(tmp_path, capsys):
     code, [line] = check(capsys, broken)
     assert code == 1 and "serving.http_sd_port: is 9399, no containerPort of the head's" \
         in line, line
+
+
+def test_the_coordinators_metrics_must_be_scraped_on_the_head(tmp_path, capsys):
+    docs, _ = _rayservice("rayservice_hgx_h200.yaml")
+    for doc in docs:
+        if doc["kind"] == "PodMonitor" and not doc["metadata"]["name"].endswith("-engines"):
+            doc["spec"]["podMetricsEndpoints"] = [e for e in doc["spec"]["podMetricsEndpoints"]
+                                                  if e["port"] != "engram-sd"]
+    broken = write(tmp_path, "hgx.yaml", docs, many=True)
+    code, [line] = check(capsys, broken)
+    assert code == 1 and "serving.http_sd_port: is 9499, the coordinator's /metrics, but " \
+        "PodMonitor dsv41-flash-h200 (on the head) scrapes no port engram-sd" in line, line

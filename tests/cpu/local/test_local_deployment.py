@@ -130,6 +130,8 @@ class Local:
         """One row per engine, its replica's and its model process's endpoints merged."""
         texts = {}
         for group in json.loads(self.targets_file.read_text()):
+            if group["labels"].get("endpoint") == "coordinator":
+                continue
             url = f"http://{group['targets'][0]}/metrics"
             with urllib.request.urlopen(url, timeout=5) as resp:
                 texts[url] = resp.read().decode()

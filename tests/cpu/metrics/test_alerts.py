@@ -24,6 +24,13 @@ G0 = 'model="m", peer_group="g0", engine="e0", rank="0", job="engram", instance=
 KUBERAY_E2 = 'job="engram/dsv41-flash-h200-engines", endpoint="engram-0", instance="h:3"'
 G1 = 'model="m", peer_group="g1", engine="e1", rank="0", job="engram", instance="h:2"'
 GROUP0 = {"job": "engram", "model": "m", "peer_group": "g0"}
+# The coordinators of deployments d0 (trips each coordinator alert) and d1 (healthy).
+D0 = {"job": "engram", "model": "m", "deployment": "d0"}
+D1 = {"job": "engram", "model": "m", "deployment": "d1"}
+
+
+def _labels(labels: dict, **more) -> str:
+    return ", ".join(f'{k}="{v}"' for k, v in {**labels, **more}.items())
 
 
 def promtool(*args, cwd=None):
@@ -60,6 +67,30 @@ def unit_tests() -> dict:
         {"series": f"engram_engine_restarts_total{{{G0}}}", "values": "0x20 1x1 2x1 3x16 4x78"},
         {"series": f"engram_engine_restarting{{{G1}}}", "values": "0x29 1 0x90"},
         {"series": f"engram_engine_restarts_total{{{G1}}}", "values": "0x30 1x90"},
+        # d0: 3 groups, one not serving from minute 10 to 30; d1 serves its 2 throughout
+        # but for 10 minutes (a cold start, a `restart` roll: under the alert's 15 m).
+        {"series": f"engram_groups_configured{{{_labels(D0)}}}", "values": "3x120"},
+        {"series": f"engram_groups_serving{{{_labels(D0)}}}", "values": "3x9 2x20 3x90"},
+        {"series": f"engram_groups_configured{{{_labels(D1)}}}", "values": "2x120"},
+        {"series": f"engram_groups_serving{{{_labels(D1)}}}", "values": "2x69 0x10 2x40"},
+        # d0 rolls settings out from minute 0 on, stopped from 100 to 110; d1 rolls for an
+        # hour.
+        {"series": f"engram_roll_in_progress{{{_labels(D0)}}}", "values": "1x120"},
+        {"series": f"engram_roll_stopped{{{_labels(D0)}}}", "values": "0x99 1x10 0x10"},
+        {"series": f"engram_roll_in_progress{{{_labels(D1)}}}", "values": "0x9 1x60 0x50"},
+        {"series": f"engram_roll_stopped{{{_labels(D1)}}}", "values": "0x120"},
+        # d0's coordinator dies at minute 40 (its endpoint silent 40-45, then 7 m more from
+        # 60) and Ray restarts it at minute 45 (start time 2700 s); d1's never restarts
+        # (started before the test's time 0).
+        {"series": f"engram_coordinator_start_time_seconds{{{_labels(D0)}}}",
+         "values": "0x44 2700x75"},
+        {"series": f"engram_coordinator_restarted{{{_labels(D0)}}}", "values": "0x44 1x75"},
+        {"series": f"engram_coordinator_start_time_seconds{{{_labels(D1)}}}", "values": "0x120"},
+        {"series": f"engram_coordinator_restarted{{{_labels(D1)}}}", "values": "0x120"},
+        {"series": 'up{job="engram", endpoint="coordinator", instance="h:9"}',
+         "values": "1x59 0x7 1x53"},
+        {"series": 'up{job="engram/dsv41-flash-h200", endpoint="engram-sd", instance="h:10"}',
+         "values": "1x120"},
     ]
     def fires(name, at, labels, value=""):
         if labels is None:
@@ -95,6 +126,21 @@ def unit_tests() -> dict:
         fires(restarts, "30m", None),  # 3 restarts so far
         fires(restarts, "45m", engine0),
         fires(restarts, "90m", None),  # one restart in the last hour
+        fires("EngramGroupsNotServing", "20m", None),  # not for 15 m yet
+        fires("EngramGroupsNotServing", "27m", D0, "1"),
+        fires("EngramGroupsNotServing", "35m", None),
+        fires("EngramGroupsNotServing", "78m", None),  # d1's 10 minutes
+        fires("EngramRollStopped", "95m", None),
+        fires("EngramRollStopped", "105m", D0),
+        fires("EngramRollSlow", "100m", None),  # d0 rolls since 0: not for 2 h yet; d1 1 h
+        fires("EngramRollSlow", "120m", D0),
+        fires("EngramCoordinatorRestarted", "44m", None),
+        fires("EngramCoordinatorRestarted", "50m", D0),
+        fires("EngramCoordinatorRestarted", "61m", None),  # more than 15 minutes ago
+        fires("EngramCoordinatorDown", "63m", None),  # not for 5 m yet
+        fires("EngramCoordinatorDown", "66m", {"job": "engram", "endpoint": "coordinator",
+                                               "instance": "h:9"}),
+        fires("EngramCoordinatorDown", "70m", None),
     ]
     return {"rule_files": [str(RULES)], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alerts}]}
@@ -113,15 +159,19 @@ def test_committed_rules_match_the_generator():
     assert RULES.read_text() == generate.render_rules(generate.build_rules())
 
 
-def test_rules_use_only_metrics_the_engines_export():
+def test_rules_use_only_metrics_the_engines_and_the_coordinator_export():
+    from engram_ray.metrics.coordinator import SERIES
     from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
     defined = {m.name for m in EngineMetrics(EngineIdentity("m", "e", "g", 0)).registry.collect()}
+    defined |= set(SERIES)
     used = {name for r in generate.build_rules()["groups"][0]["rules"]
             for name in re.findall(r"\bengram_[a-z_]+", r["expr"].replace("_total", ""))}
     assert used and used <= defined, used - defined
     assert set(RULE) == {"EngramPeerGroupUnhealthy", "EngramEngineDown",
                          "EngramGenerationChurn", "EngramKVCacheHeadroomLow",
-                         "EngramEngineRestartSlow", "EngramEngineRestartChurn"}
+                         "EngramEngineRestartSlow", "EngramEngineRestartChurn",
+                         "EngramGroupsNotServing", "EngramRollStopped", "EngramRollSlow",
+                         "EngramCoordinatorRestarted", "EngramCoordinatorDown"}
 
 
 def test_prometheus_config_loads_the_rules():
@@ -133,7 +183,7 @@ def test_prometheus_config_loads_the_rules():
 def test_promtool_check_rules():
     result = promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 11 rules found" in result.stdout
 
 
 @needs_promtool

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from engram_ray.local.prometheus import Prometheus, scrape_config
+from engram_ray.metrics.coordinator import SERIES as COORDINATOR_SERIES
+from engram_ray.metrics.coordinator import CoordinatorMetrics, CoordinatorSnapshot
 from engram_ray.metrics.engine import EngineIdentity, EngineMetrics
-from engram_ray.metrics.exposition import MetricsServer, write_file_sd
+from engram_ray.metrics.exposition import MetricsServer, TargetsServer, write_file_sd
 from engram_ray.model.hashing import hash_ngrams
 from engram_ray.model.layout import EngramLayout
 from engram_ray.tables.settings import PeerGroupSettings
@@ -55,6 +57,7 @@ def test_dashboards_are_well_formed():
     assert titles == {"Engram memory", "Engram step time"}
     names = {m for _, _, expr in all_targets() for m in re.findall(r"\bengram_[a-z_]+", expr)}
     defined = {m.name for m in EngineMetrics(EngineIdentity("m", "e", "g", 0)).registry.collect()}
+    defined |= set(COORDINATOR_SERIES)
 
     def family(name):  # engram_lookup_seconds_bucket -> engram_lookup_seconds
         for suffix in ("_bucket", "_total", "_sum", "_count"):
@@ -130,10 +133,24 @@ def test_the_scrape_config_keeps_the_alert_rules_wherever_it_is_written(tmp_path
                                         for f in config["rule_files"])
 
 
-def test_every_engram_panel_query_returns_data_from_prometheus(engines, tmp_path):
+@pytest.fixture
+def coordinator():
+    """The coordinator's endpoint (its collector over a snapshot: a roll half done)."""
+    snap = CoordinatorSnapshot(groups_configured=1, groups_serving=1, groups_rolling=0,
+                               roll_members=2, roll_members_done=1, roll_stopped=False,
+                               start_time=time.time(), restarted=False)
+    server = TargetsServer(None, "127.0.0.1", 0,
+                           registry=CoordinatorMetrics("tiny", "d", lambda: snap).registry)
+    yield server
+    server.stop()
+
+
+def test_every_engram_panel_query_returns_data_from_prometheus(engines, coordinator, tmp_path):
     sd_file = tmp_path / "targets.json"
-    write_file_sd(str(sd_file), {e.metrics.identity.engine: {"target": e.server.target}
-                                 for e in engines})
+    targets = {e.metrics.identity.engine: {"target": e.server.target} for e in engines}
+    targets["coordinator"] = {"target": coordinator.target(),
+                              "labels": {"endpoint": "coordinator"}}
+    write_file_sd(str(sd_file), targets)
     prom = Prometheus(scrape_config(DASHBOARDS / "prometheus.yml", str(sd_file), None, "1s"),
                       workdir=str(tmp_path))
     stop = threading.Event()
@@ -150,7 +167,7 @@ def test_every_engram_panel_query_returns_data_from_prometheus(engines, tmp_path
     # vLLM's series need a vLLM engine: the slow deployment test checks those panels.
     queries = [(d, t, concrete(e)) for d, t, e in all_targets() if "vllm" not in e]
     assert len(queries) >= 12
-    missing, expected_up = queries, {e.server.target: "up" for e in engines}
+    missing, expected_up = queries, {t["target"]: "up" for t in targets.values()}
     try:
         # Until every panel has data and both engines have been scraped (a panel's query can
         # answer from one engine's series while the other's first scrape is still to come).

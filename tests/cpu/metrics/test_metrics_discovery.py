@@ -73,9 +73,36 @@ def test_targets_server_answers_only_its_path():
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/targets", timeout=5) as r:
             assert r.headers["Content-Type"] == "application/json"
             assert json.load(r) == groups
+        for path in ("/other", "/metrics"):  # no registry: no /metrics
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=5)
+            assert info.value.code == 404
+    finally:
+        server.stop()
+
+
+def test_a_coordinator_without_http_sd_serves_only_its_metrics():
+    """http_sd_port 0: the coordinator's endpoint is a free port with /metrics alone."""
+    from engram_ray.metrics.coordinator import SERIES, CoordinatorMetrics, CoordinatorSnapshot
+
+    snap = CoordinatorSnapshot(groups_configured=3, groups_serving=2, groups_rolling=0,
+                               roll_members=6, roll_members_done=4, roll_stopped=False,
+                               start_time=1.5e9, restarted=True)
+    metrics = CoordinatorMetrics("m", "d", lambda: snap)
+    server = TargetsServer(None, "127.0.0.1", 0, registry=metrics.registry)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values = dict(re.findall(r'^(engram_\w+)\{deployment="d",model="m"\} (\S+)$', text,
+                                 re.M))
+        assert set(values) == set(SERIES)
+        assert float(values["engram_roll_in_progress"]) == 1  # 2 members to go
+        assert float(values["engram_groups_serving"]) == 2
+        assert float(values["engram_coordinator_restarted"]) == 1
         with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/targets", timeout=5)
         assert info.value.code == 404
+        assert server.target() == f"127.0.0.1:{server.port}"
     finally:
         server.stop()
 
@@ -149,9 +176,25 @@ def test_prometheus_finds_engines_through_http_sd(tmp_path):
             server.stop()
 
 
+def _coordinator_series(port: int) -> dict[str, float]:
+    """The coordinator's own series at its endpoint, {name: value} (one sample each)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            assert sample.labels == {"model": "deepseek-v4.1-flash", "deployment": "slots"}
+            series[sample.name] = sample.value
+    return series
+
+
 def test_coordinator_slots_per_node_and_its_http_sd(ray_local, tmp_path):
     """Slots are the lowest free per node, kept on a second ask, freed on leave and when a
-    gang ends; the coordinator serves its targets as http_sd (and file_sd) lists."""
+    gang ends; the coordinator serves its targets as http_sd (and file_sd) lists, itself among
+    them, and its own series (#46 item 5) on the same port: groups configured and serving,
+    the roll's members."""
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import get_coordinator
 
@@ -174,17 +217,29 @@ def test_coordinator_slots_per_node_and_its_http_sd(ray_local, tmp_path):
                                                    {"endpoint": "engram-0"}))
         ray.get(coordinator.register_target.remote("m0/model", "127.0.0.1:9501",
                                                    {"endpoint": "engram-0-model"}))
-        expected = [{"targets": ["127.0.0.1:9500"], "labels": {"endpoint": "engram-0"}},
+        expected = [{"targets": [f"127.0.0.1:{sd_port}"], "labels": {"endpoint": "coordinator"}},
+                    {"targets": ["127.0.0.1:9500"], "labels": {"endpoint": "engram-0"}},
                     {"targets": ["127.0.0.1:9501"], "labels": {"endpoint": "engram-0-model"}}]
         with urllib.request.urlopen(f"http://127.0.0.1:{sd_port}/targets", timeout=5) as resp:
             assert json.load(resp) == expected
         assert json.loads((tmp_path / "targets.json").read_text()) == expected
+        series = _coordinator_series(sd_port)
+        assert {k: v for k, v in series.items() if k != "engram_coordinator_start_time_seconds"
+                } == {"engram_groups_configured": 1, "engram_groups_serving": 0,
+                      "engram_groups_rolling": 0, "engram_roll_in_progress": 0,
+                      "engram_roll_members": 2, "engram_roll_members_done": 2,
+                      "engram_roll_stopped": 0, "engram_coordinator_restarted": 0}
+        assert abs(series["engram_coordinator_start_time_seconds"] - time.time()) < 600
+        for r in (0, 1):
+            ray.get(coordinator.member_ready.remote(f"m{r}"))
+        assert _coordinator_series(sd_port)["engram_groups_serving"] == 1
         ray.get(coordinator.leave.remote("m0"))
         assert ray.get(slot("m2", "node-x")) == 0  # m0's slot is free again
         ray.get(coordinator.join.remote("group-0", "gang2", 0, 2, "n0"))  # gang1 ended
         assert ray.get(slot("n0", "node-x")) == 0
         with urllib.request.urlopen(f"http://127.0.0.1:{sd_port}/targets", timeout=5) as resp:
-            assert json.load(resp) == []
+            assert json.load(resp) == expected[:1]  # its own endpoint stays
+        assert _coordinator_series(sd_port)["engram_groups_serving"] == 0  # gang2 not ready
     finally:
         ray.kill(coordinator)
 
