@@ -72,6 +72,19 @@ def _metrics_targets(deployment, group_id: str) -> list[str]:
                   for t in g["targets"])
 
 
+def _coordinator_series(deployment) -> dict[str, float]:
+    """The coordinator's own series (#46 item 5), read from its endpoint in the file_sd list
+    as Prometheus would find it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    groups = json.loads(Path(deployment.config.serving.prometheus_targets_file).read_text())
+    [target] = [t for g in groups if g["labels"].get("endpoint") == "coordinator"
+                for t in g["targets"]]
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_group(
         deployment):
     from engram_ray.local.faults import kill_under_load, reference_answers
@@ -119,6 +132,10 @@ def test_kills_under_load_lose_nothing_silently_and_traffic_leaves_the_broken_gr
 
     after = _greedy_by_group(deployment)
     assert set(after) == {"group-0", "group-1"} and set.union(*after.values()) == {reference}
+    # The coordinator says it was restarted, and that both groups serve again.
+    series = _coordinator_series(deployment)
+    assert series["engram_coordinator_restarted"] == 1, series
+    assert series["engram_groups_configured"] == series["engram_groups_serving"] == 2, series
     # The restarted engine's model process bound its slot's fixed port again, and answers.
     assert _metrics_targets(deployment, "group-0") == ports
     for target in ports:
@@ -192,12 +209,17 @@ def test_a_roll_whose_engine_will_not_start_stops_at_the_first_member_which_serv
     status = roll_status("faults")
     assert status["member_versions"] == versions  # every engine on the settings it had
     assert status["done"] == 0 and not status["restarting"]
+    series = _coordinator_series(deployment)  # what the dashboards and EngramRollStopped see
+    assert series["engram_roll_stopped"] == 1 and series["engram_roll_in_progress"] == 0
+    assert series["engram_roll_members_done"] == 0 and series["engram_roll_members"] == 2
     deployment.redeploy({"serving": {"max_model_len": 512}})  # back: nothing to roll
     deadline = time.monotonic() + 120
     while roll_status("faults")["version"] != roll["old_version"]:
         assert time.monotonic() < deadline
         time.sleep(1.0)
     assert roll_status("faults")["done"] == 2
+    series = _coordinator_series(deployment)
+    assert series["engram_roll_stopped"] == 0 and series["engram_roll_members_done"] == 2
 
 
 def test_a_change_in_place_cannot_apply_is_refused_by_name_and_the_groups_serve_on(
