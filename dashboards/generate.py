@@ -10,6 +10,9 @@ series are matched under every name they can carry: `vllm:*` or `vllm_*` (an eng
 `/metrics`) and `ray_vllm_*` (Ray's metrics export, Ray Serve LLM).
 """
 
+# Over 300 lines: the two dashboards and the alert rules are one vocabulary of series, label
+# selectors and thresholds; split, the panels and the alerts would drift apart.
+
 from __future__ import annotations
 
 import argparse

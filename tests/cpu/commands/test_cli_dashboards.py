@@ -51,7 +51,7 @@ def test_exported_prometheus_config_and_rules_pass_promtool(tmp_path):
                              str(tmp_path / "obs/prometheus/prometheus.yml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout  # rule_files resolved beside the config
+    assert "SUCCESS: 11 rules found" in result.stdout  # rule_files resolved beside the config
 
 
 def test_non_empty_dir_is_refused_unless_force(tmp_path):
