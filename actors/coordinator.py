@@ -58,7 +58,7 @@ from engram_ray.actors.coordinator_roll import InPlaceRollMixin
 from engram_ray.actors.lifetime import (APP_CHECK_S, REBUILD_WAIT_S, ApplicationWatch,
                                         is_restarted_actor, save_settings, saved_settings)
 from engram_ray.metrics.coordinator import CoordinatorMetrics, snapshot_of
-from engram_ray.metrics.exposition import TargetsServer
+from engram_ray.metrics.exposition import TargetsServer, fixed_ports
 from engram_ray.metrics.target_book import COORDINATOR_KEY, TargetBook
 from engram_ray.planning.assignment import remove_store_dir
 
@@ -121,7 +121,7 @@ class Coordinator(InPlaceRollMixin):
         self.sd_server = TargetsServer(
             self.target_groups if config.serving.http_sd_port else None,
             config.serving.metrics_bind_address, config.serving.http_sd_port,
-            registry=self.metrics.registry)
+            registry=self.metrics.registry, avoid=fixed_ports(config.serving.metrics_port))
         self.metric_targets.register(COORDINATOR_KEY, self.sd_server.target(
             ray.util.get_node_ip_address()), {"endpoint": "coordinator"})
         if self._rebuild_until:

@@ -43,6 +43,15 @@ def metrics_port(base: int, slot: int, endpoint: str) -> int:
     return base + 2 * slot + ENDPOINTS.index(endpoint) if base else 0
 
 
+MAX_SLOTS = 100  # engine slots of one node that can have fixed ports (port_name: 15 characters)
+
+
+def fixed_ports(base: int) -> range:
+    """Every port the engines of a node may bind with `serving.metrics_port` `base` (empty
+    for 0): a free port taken for anything else must not be one of them."""
+    return range(base, base + 2 * MAX_SLOTS) if base else range(0)
+
+
 def port_name(slot: int, endpoint: str) -> str:
     """Kubernetes port name of that endpoint (at most 15 characters: slots up to 99)."""
     return f"engram-{slot}" if endpoint == "replica" else f"engram-{slot}-model"
@@ -141,7 +150,7 @@ class TargetsServer:
     METRICS_PATH = "/metrics"
 
     def __init__(self, get_groups, bind_address: str = DEFAULT_BIND_ADDRESS, port: int = 0,
-                 registry=None):
+                 registry=None, avoid: range = range(0)):
         import http.server
         import threading
 
@@ -170,14 +179,18 @@ class TargetsServer:
                 pass
 
         bind_address = bind_host(bind_address)
-        try:
-            self._server = http.server.ThreadingHTTPServer((bind_address, port), Handler)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            raise ConfigError("serving.http_sd_port", f"is {port}, but {bind_address}:{port} "
-                              "is taken on the head node", "another port, or 0 for none"
-                              ) from exc
+        if port:
+            try:
+                self._server = http.server.ThreadingHTTPServer((bind_address, port), Handler)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                raise ConfigError("serving.http_sd_port", f"is {port}, but "
+                                  f"{bind_address}:{port} is taken on the head node",
+                                  "another port, or 0 for none") from exc
+        else:
+            self._server = _bind_free(lambda p: http.server.ThreadingHTTPServer(
+                (bind_address, p), Handler), bind_address, avoid)
         self._server.daemon_threads = True
         self.bind_address = bind_address
         self.port = self._server.server_address[1]
@@ -196,6 +209,41 @@ class TargetsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+FREE_PORT_TRIES = 100
+
+
+def _bind_free(make, bind_address: str, avoid: range):
+    """`make(port)`'s server on a free port that is not in `avoid` (the engines' fixed ports:
+    the OS may hand one out while its engine is not running, and the engine then finds it
+    taken; seen in test_faults, a new gang's engine against the coordinator's port). The
+    OS's choice when it is outside `avoid`, else random ports of its free-port range."""
+    import random
+
+    server = make(0)
+    if server.server_address[1] not in avoid:
+        return server
+    server.server_close()
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except OSError:
+        low, high = 32768, 60999  # Linux's default
+    for _ in range(FREE_PORT_TRIES):
+        candidate = random.randint(low, high)
+        if candidate in avoid:
+            continue
+        try:
+            return make(candidate)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise ConfigError("serving.metrics_port", f"is {avoid.start}: no free port on "
+                      f"{bind_address} outside the engines' fixed ports {avoid.start}-"
+                      f"{avoid.stop - 1} in {FREE_PORT_TRIES} tries",
+                      "serving.http_sd_port set, or a metrics_port outside the OS's range of "
+                      "free ports (9500, as shipped)")
 
 
 def start_process_metrics(additional_config) -> EngineMetrics | None:

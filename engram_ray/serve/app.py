@@ -125,21 +125,21 @@ def build_front_door(args: dict, server_cls=None):
 
     app = ServeAppConfig.from_dict(args, "build_app args")
     dep = app.deployment
-    server_cls = server_cls or server_class(app)
     # Groups stay where they run (a rebuild of a serving application, a group placed again
     # after its domain was lost: the coordinator's saved domains).
     kept = saved_settings(coordinator_name(dep.name))
     groups = plan_groups(dep, app.serving.num_peer_groups, keep=kept and kept["domains"])
     get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name,
                     check=lambda: check_library_options(app))
+    # Only now the engine class, which imports Ray Serve LLM and vLLM (9 s measured on 2 busy
+    # cores): a refused change fails each of Serve's four builds before it.
+    server_cls = server_cls or server_class(app)
     engines = group_engines(server_cls, dep.name, [g.group_id for g in groups])
     return _ingress(llm_config(app, groups[0]), engines, dep.name)
 
 
 def build_group_app(args: dict, server_cls=None):
     """`build_group` with the engine class replaced by `server_cls` (tests)."""
-    from ray.serve.llm import build_llm_deployment
-
     from engram_ray.actors.coordinator_lookup import group_domain, refused_change
     from engram_ray.actors.placement import discover_domains, gang_options
     from engram_ray.serve.edge.member_router import ROUTER_PATH
@@ -174,6 +174,8 @@ def build_group_app(args: dict, server_cls=None):
     # next to the serving one (max_surge_percent: a whole extra gang), 'restart' replaces it;
     # 'in_place' changes reach the engines through the coordinator, not a new build.
     surge = 100 if app.serving.rollout.mode == "beside" else 0
+    from ray.serve.llm import build_llm_deployment  # Ray Serve LLM and vLLM: past every refusal
+
     return build_llm_deployment(llm_config(app, group), deployment_cls=server_cls,
                                 override_serve_options={
         "name": engine_deployment_name(server_cls, dep.name, group_id),
