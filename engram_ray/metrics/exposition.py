@@ -69,6 +69,15 @@ def bind_host(bind_address: str, node_ip: str | None = None) -> str:
     return ray.util.get_node_ip_address()
 
 
+def scrape_target(bind_address: str, port: int, advertise_host: str | None = None) -> str:
+    """`host:port` for Prometheus: the bind address, or `advertise_host` (this node's IP)
+    when bound to all addresses."""
+    host = bind_address
+    if host in ("0.0.0.0", "::", ""):
+        host = advertise_host or "127.0.0.1"
+    return f"{host}:{port}"
+
+
 class _ProcessRegistry:
     """Collector forwarding the process's default registry (vLLM's `vllm:*` series)."""
 
@@ -103,12 +112,7 @@ class MetricsServer:
 
     @property
     def target(self) -> str:
-        """`host:port` for Prometheus: the bind address, or `advertise_host` (this node's IP)
-        when bound to all addresses."""
-        host = self.bind_address
-        if host in ("0.0.0.0", "::", ""):
-            host = self.advertise_host or "127.0.0.1"
-        return f"{host}:{self.port}"
+        return scrape_target(self.bind_address, self.port, self.advertise_host)
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -199,11 +203,7 @@ class TargetsServer:
         self._thread.start()
 
     def target(self, advertise_host: str | None = None) -> str:
-        """`host:port` for Prometheus (as `MetricsServer.target`)."""
-        host = self.bind_address
-        if host in ("0.0.0.0", "::", ""):
-            host = advertise_host or "127.0.0.1"
-        return f"{host}:{self.port}"
+        return scrape_target(self.bind_address, self.port, advertise_host)
 
     def stop(self) -> None:
         self._server.shutdown()

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 
 from engram_ray.errors import ConfigError
 from engram_ray.planning.grouping import NodeSlots, domains_of, place_groups
-from engram_ray.serve.deploy.store_sharing import container_gpus, spans_hosts
+from engram_ray.serve.deploy.store_sharing import (container_gpus, container_resource,
+                                                  ray_container, spans_hosts)
 
 MNNVL_RACK_GPUS = 72  # one GB200/GB300 NVL72 rack: 18 trays of 4 GPUs, one NVLink domain
 IMEX_DEVICE = "nvidia-caps-imex-channels"
@@ -75,13 +76,6 @@ def _quantity(value) -> float | None:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
-def _container_cpus(container: dict) -> float | None:
-    resources = container.get("resources") or {}
-    for kind in ("limits", "requests"):
-        value = (resources.get(kind) or {}).get("cpu")
-        if value is not None:
-            return _quantity(value)
-    return None
 
 
 def kuberay_hosts(cluster_spec: dict) -> list[Hosts]:
@@ -89,11 +83,11 @@ def kuberay_hosts(cluster_spec: dict) -> list[Hosts]:
     hosts = []
     for group in cluster_spec.get("workerGroupSpecs") or []:
         spec = (group.get("template") or {}).get("spec") or {}
-        container = (spec.get("containers") or [{}])[0]
+        container = ray_container(group.get("template") or {})
         count = group.get("maxReplicas", group.get("replicas", 0))
         hosts.append(Hosts(f"worker group {group.get('groupName', '?')}", int(count or 0),
                            container_gpus(container),
-                           _container_cpus(container),
+                           _quantity(container_resource(container, "cpu")),
                            bool(spec.get("resourceClaims"))))
     return hosts
 

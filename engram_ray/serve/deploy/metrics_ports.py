@@ -16,13 +16,9 @@ import re
 
 from engram_ray.errors import ConfigError
 from engram_ray.metrics.exposition import ENDPOINTS, metrics_port, port_name
-from engram_ray.serve.deploy.store_sharing import container_gpus
+from engram_ray.serve.deploy.store_sharing import container_gpus, ray_container
 
 ENGINE_PORT = re.compile(r"engram-\d+(-model)?")  # port_name's names, not engram-sd
-
-
-def _ray_container(template: dict) -> dict:
-    return (((template.get("spec") or {}).get("containers")) or [{}])[0]
 
 
 def _selects(monitor: dict, labels: dict) -> bool:
@@ -42,7 +38,7 @@ def check_kuberay_ports(service: dict, docs: list, apps: dict, where: str) -> st
         at = f"{where}: application {name}"
         if srv.http_sd_port:
             head_ports = {p.get("containerPort"): p.get("name")
-                          for p in _ray_container(head).get("ports") or []}
+                          for p in ray_container(head).get("ports") or []}
             if srv.http_sd_port not in head_ports:
                 raise ConfigError(f"{at}: serving.http_sd_port", f"is {srv.http_sd_port}, no "
                                   "containerPort of the head's Ray container",
@@ -64,7 +60,7 @@ def check_kuberay_ports(service: dict, docs: list, apps: dict, where: str) -> st
                                   "podMetricsEndpoints")
         for group in cluster.get("workerGroupSpecs") or []:
             template = group.get("template") or {}
-            container = _ray_container(template)
+            container = ray_container(template)
             gpus = container_gpus(container)
             if not gpus or not dep.num_gpus_per_engine:
                 continue

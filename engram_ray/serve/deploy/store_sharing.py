@@ -47,14 +47,24 @@ def serve_note(apps: dict) -> str:
     return note
 
 
-def container_gpus(container: dict) -> int:
-    """The GPUs a pod's container asks for (its nvidia.com/gpu limit, else request)."""
+def ray_container(template: dict) -> dict:
+    """A pod template's first container: Ray's (KubeRay's convention)."""
+    return (((template.get("spec") or {}).get("containers")) or [{}])[0]
+
+
+def container_resource(container: dict, resource: str):
+    """What a pod's container asks of `resource`: its limit, else its request (None)."""
     resources = container.get("resources") or {}
     for kind in ("limits", "requests"):
-        value = (resources.get(kind) or {}).get(GPU_RESOURCE)
+        value = (resources.get(kind) or {}).get(resource)
         if value is not None:
-            return int(value)
-    return 0
+            return value
+    return None
+
+
+def container_gpus(container: dict) -> int:
+    """The GPUs a pod's container asks for (its nvidia.com/gpu limit, else request)."""
+    return int(container_resource(container, GPU_RESOURCE) or 0)
 
 
 def _claim(template: dict, path: str) -> str | None:
@@ -78,9 +88,8 @@ def check_kuberay_store(service: dict, apps: dict, where: str) -> str:
     workers = [(w.get("groupName", "?"), w.get("template") or {})
                for w in spec.get("workerGroupSpecs") or []]
     gpu_workers = [(name, t) for name, t in workers
-                   if container_gpus(((t.get("spec") or {}).get("containers") or [{}])[0])]
-    gpus_per_host = max((container_gpus(t["spec"]["containers"][0]) for _, t in gpu_workers),
-                        default=0)
+                   if container_gpus(ray_container(t))]
+    gpus_per_host = max((container_gpus(ray_container(t)) for _, t in gpu_workers), default=0)
     notes = []
     for name, app in apps.items():
         reason = spans_hosts(app.deployment, gpus_per_host or None)

@@ -199,22 +199,17 @@ def test_container_ports_moved_without_the_podmonitor_fails(tmp_path, capsys):
         "dsv41-flash-h200-engines scrape no port engram-7-model" in line, line
 
 
-def test_free_metrics_ports_cannot_be_named_by_a_podmonitor(tmp_path, capsys):
+@pytest.mark.parametrize("serving,message", [
+    ({"metrics_port": 0}, "serving.metrics_port: is 0 (free ports), which PodMonitor "
+                          "dsv41-flash-gb300-engines cannot name"),
+    ({"http_sd_port": 9399}, "serving.http_sd_port: is 9399, no containerPort of the head's"),
+], ids=["free metrics ports under a PodMonitor", "http_sd_port not on the head"])
+def test_ports_the_manifest_cannot_serve_are_refused(tmp_path, capsys, serving, message):
     docs, service = _rayservice("rayservice_gb300_nvl72.yaml")
-    _set_serving(service, metrics_port=0)
+    _set_serving(service, **serving)
     broken = write(tmp_path, "gb300.yaml", docs, many=True)
     code, [line] = check(capsys, broken)
-    assert code == 1 and "serving.metrics_port: is 0 (free ports), which PodMonitor " \
-        "dsv41-flash-gb300-engines cannot name" in line, line
-
-
-def test_http_sd_port_must_be_a_port_of_the_head(tmp_path, capsys):
-    docs, service = _rayservice("rayservice_gb300_nvl72.yaml")
-    _set_serving(service, http_sd_port=9399)
-    broken = write(tmp_path, "gb300.yaml", docs, many=True)
-    code, [line] = check(capsys, broken)
-    assert code == 1 and "serving.http_sd_port: is 9399, no containerPort of the head's" \
-        in line, line
+    assert code == 1 and message in line, line
 
 
 def test_the_coordinators_metrics_must_be_scraped_on_the_head(tmp_path, capsys):
