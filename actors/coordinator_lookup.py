@@ -27,8 +27,8 @@ def get_coordinator(app_config_dict: dict, domains: dict[str, str], deployment_n
     """The application's coordinator (see module docstring for reuse and replacement).
     `check()` (the build's checks against vLLM's own option names: an import of vLLM, tens
     of seconds on a busy node) runs once before a coordinator is made, reconfigured or
-    replaced, after a refusal of the change (which needs none: Serve builds a refused
-    deploy four times)."""
+    replaced, after a refusal of the change (which needs none: a refused deploy fails its
+    builds before they import vLLM)."""
     checked = []
 
     def check_once():

@@ -102,48 +102,20 @@ def check_room_beside(config: DeploymentConfig, domains: dict[str, str]) -> None
               "at once: an outage of one cold start)")
 
 
-# Serve retries a failed build task (any exception, 3 times, at once); a build starting this
-# soon after the last deadline passed is such a retry and keeps that deadline.
-RETRY_WINDOW_S = 30.0
-
-
 def plan_groups(config: DeploymentConfig, num_groups: int,
                 keep: dict[str, str] | None = None) -> list[PeerGroupPlan]:
     """`num_groups` peer groups, each given a domain with room for it (a group of `keep`,
     group id -> domain id, stays where it runs while it has room there); waits up to
     `placement_timeout_s` for room (nodes joining, GPUs being freed), then `PlacementError`."""
-    deadline = _placement_deadline(config)
+    deadline = time.monotonic() + config.placement_timeout_s
     while True:
         domains = discover_domains(config)
         placed, num_missing = place_groups(domains, config.peer_group_size, num_groups, keep)
         if not num_missing:
-            _placement_deadline_key(config, clear=True)
             return placed
-        if time.time() >= deadline:
+        if time.monotonic() >= deadline:
             raise PlacementError(unplaced_message(config, num_groups, placed, domains))
         time.sleep(1.0)
-
-
-def _placement_deadline(config: DeploymentConfig) -> float:
-    """Wall-clock end of this deployment's placement wait, kept in Ray's KV store across
-    Serve's retries of a failed build (else DEPLOY_FAILED would come after 4 timeouts)."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
-
-    key, now = _placement_deadline_key(config), time.time()
-    stored = _internal_kv_get(key)
-    if stored is not None and now - float(stored) < RETRY_WINDOW_S:
-        return float(stored)
-    deadline = now + config.placement_timeout_s
-    _internal_kv_put(key, str(deadline).encode(), overwrite=True)
-    return deadline
-
-
-def _placement_deadline_key(config: DeploymentConfig, clear: bool = False) -> bytes:
-    key = f"engram-placement-deadline:{config.name}".encode()
-    if clear:
-        from ray.experimental.internal_kv import _internal_kv_del
-        _internal_kv_del(key)
-    return key
 
 
 def unplaced_message(config: DeploymentConfig, num_groups: int, placed: list[PeerGroupPlan],

@@ -25,6 +25,8 @@ swapped for an engram-ray engine, and its OpenAI ingress.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from engram_ray.errors import ConfigError, EngramRayError
 from engram_ray.planning.grouping import PeerGroupPlan, PlacementError
 from engram_ray.serve.settings.config import MAX_ONGOING_REQUESTS, ServeAppConfig
@@ -107,12 +109,33 @@ def build_app(args: dict):
     """The front door's Serve application from the YAML `args` ({deployment, serving}): the
     coordinator (placement of every group, rollout) and the OpenAI ingress over the groups'
     applications (`build_group`, one per group, named by `group_app_name`)."""
-    return build_front_door(args)
+    with refused_at_once():
+        return build_front_door(args)
 
 
 def build_group(args: dict):
     """One peer group's Serve application from the YAML `args` (`group_args`)."""
-    return build_group_app(args)
+    with refused_at_once():
+        return build_group_app(args)
+
+
+@contextmanager
+def refused_at_once():
+    """An engram-ray refusal (`EngramRayError`: a setting, a placement, a change the rollout
+    mode cannot apply) is the same on every try, so it fails the deploy on the first build.
+    Serve's build task (`build_serve_application`, Ray 2.60) retries any exception 3 times, each
+    in a new worker, but a `RayServeException` it takes as the build's answer: its message alone
+    is the application's DEPLOY_FAILED status. Any other error keeps Serve's retries."""
+    try:
+        yield
+    except EngramRayError as error:
+        from ray.serve.exceptions import RayServeException
+
+        # A refusal raised in an actor (the coordinator) comes as Ray's RayTaskError subclass
+        # of it: its message is the task's stack; the refusal's own is its cause's.
+        cause = getattr(error, "cause", None)
+        message = str(cause if isinstance(cause, EngramRayError) else error)
+        raise RayServeException(message) from None
 
 
 def build_front_door(args: dict, server_cls=None):
@@ -132,7 +155,7 @@ def build_front_door(args: dict, server_cls=None):
     get_coordinator(app.to_dict(), {g.group_id: g.domain.domain_id for g in groups}, dep.name,
                     check=lambda: check_library_options(app))
     # Only now the engine class, which imports Ray Serve LLM and vLLM (9 s measured on 2 busy
-    # cores): a refused change fails each of Serve's four builds before it.
+    # cores): a refused change fails the build before it.
     server_cls = server_cls or server_class(app)
     engines = group_engines(server_cls, dep.name, [g.group_id for g in groups])
     return _ingress(llm_config(app, groups[0]), engines, dep.name)
@@ -152,8 +175,8 @@ def build_group_app(args: dict, server_cls=None):
                           "(engram_ray.serve.settings.group_apps.group_args)")
     own = ServeAppConfig.from_dict(args, "build_group args")
     dep = own.deployment
-    # A change the front door refused fails here at once (Serve builds it four times); else
-    # a typo in an option name fails here too, not after the wait for the front door.
+    # A change the front door refused fails here at once; else a typo in an option name
+    # fails here too, not after the wait for the front door.
     refused = refused_change(own.to_dict(), dep.name)
     if refused:
         raise EngramRayError(refused)

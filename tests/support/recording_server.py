@@ -66,13 +66,15 @@ def recording_class(args: dict):
 def build_recording_app(args: dict):
     """`import_path` of a `serve deploy` (declarative) of recording engines: the front door;
     the test puts tests/ on the application's PYTHONPATH (`runtime_env.env_vars`)."""
-    from engram_ray.serve.app import build_front_door
+    from engram_ray.serve.app import build_front_door, refused_at_once
 
-    return build_front_door(args, recording_class(args))
+    with refused_at_once():
+        return build_front_door(args, recording_class(args))
 
 
 def build_recording_group(args: dict):
     """The groups' applications of `build_recording_app`."""
-    from engram_ray.serve.app import build_group_app
+    from engram_ray.serve.app import build_group_app, refused_at_once
 
-    return build_group_app(args, recording_class(args))
+    with refused_at_once():
+        return build_group_app(args, recording_class(args))

