@@ -16,7 +16,7 @@ import time
 import ray
 
 from engram_ray.actors.coordinator import Coordinator, coordinator_name
-from engram_ray.errors import EngramRayError
+from engram_ray.errors import ConfigError, EngramRayError
 
 logger = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node only
@@ -132,11 +132,17 @@ def refused_change(app_config_dict: dict, deployment_name: str) -> str | None:
 
 
 def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,
-                 timeout_s: float) -> tuple[str, dict]:
+                 timeout_s: float, in_place_written: list[str] = ()) -> tuple[str, dict]:
     """(domain id of `group_id`, the coordinator's app config), once the front door's build
     set the coordinator up with the group settings of `app_config_dict` (a group
     application's config) and placed the group; EngramRayError naming what is missing after
-    `timeout_s`, or at once for a change the front door refuses (`rolls_out`)."""
+    `timeout_s`, or at once for a change the front door refuses (`rolls_out`).
+
+    `in_place_written`: the in-place settings the group's args set. Only a deploy whose
+    rollout mode is not in_place writes them there (`group_settings`), and Serve builds a
+    deploy's applications in no order: while the coordinator still runs in_place (the front
+    door's build of a switch to beside or restart not done yet), the group waits; past
+    `timeout_s`, ConfigError naming them (in_place: the front door's serving only)."""
     from engram_ray.serve.settings.config_change import (changed_settings, group_settings,
                                                          rollout_mode)
 
@@ -149,17 +155,26 @@ def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,
             made_with = None
         if made_with is not None:
             settings, domains = made_with
-            wanted = group_settings(app_config_dict, rollout_mode(settings))
-            if group_settings(settings) == wanted and group_id in domains:
+            mode = rollout_mode(settings)
+            wanted = group_settings(app_config_dict, mode)
+            stale_mode = bool(in_place_written) and mode == "in_place"
+            if group_settings(settings) == wanted and group_id in domains and not stale_mode:
                 return domains[group_id], settings
             # The front door's build of this deploy refused it: so is this group's.
             refused = ray.get(coordinator.refusal.remote(group_settings(app_config_dict)))
             if refused:
                 raise EngramRayError(refused)
-            seen = (changed_settings(group_settings(settings), wanted), sorted(domains))
+            seen = (changed_settings(group_settings(settings), wanted), sorted(domains),
+                    stale_mode)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
+    if seen is not None and seen[2] and not seen[0]:
+        raise ConfigError(
+            f"build_group args: {', '.join(in_place_written)}", "are set in a group "
+            "application while serving.rollout.mode is in_place",
+            "these settings in the front door's serving only (the coordinator restarts the "
+            "engines with them; engram-ray check shows the layout)")
     why = ("no coordinator was made" if seen is None else
            f"the coordinator has groups {seen[1]}" + (
                f" and other values of {', '.join(seen[0])}" if seen[0] else ""))

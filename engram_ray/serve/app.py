@@ -166,6 +166,7 @@ def build_group_app(args: dict, server_cls=None):
     from engram_ray.actors.coordinator_lookup import group_domain, refused_change
     from engram_ray.actors.placement import discover_domains, gang_options
     from engram_ray.serve.edge.member_router import ROUTER_PATH
+    from engram_ray.serve.settings.config_change import in_place_changes, setting_paths
 
     args = dict(args)
     group_id = args.pop("group", None)
@@ -183,10 +184,11 @@ def build_group_app(args: dict, server_cls=None):
     check_library_options(own)
     # The front door's build placed the group and set the coordinator up with these settings:
     # the engines run the coordinator's (the front door's), rollout and in-place ones included.
+    # Args that hold in-place settings come from a deploy whose rollout is not in_place.
     domain_id, settings = group_domain(own.to_dict(), group_id, dep.name,
-                                       dep.placement_timeout_s + 60)
+                                       dep.placement_timeout_s + 60,
+                                       in_place_written=in_place_changes(setting_paths(args)))
     app = ServeAppConfig.from_dict(settings, "coordinator")
-    _refuse_in_place_settings(args, app.serving.rollout.mode)
     server_cls = server_cls or server_class(app)
     domain = next((d for d in discover_domains(dep) if d.domain_id == domain_id), None)
     if domain is None:
@@ -204,19 +206,6 @@ def build_group_app(args: dict, server_cls=None):
         "name": engine_deployment_name(server_cls, dep.name, group_id),
         **gang_options(dep, group), "max_surge_percent": surge,
         "request_router_config": {"request_router_class": ROUTER_PATH}})
-
-
-def _refuse_in_place_settings(args: dict, mode: str) -> None:
-    """With `rollout.mode: in_place` the settings engines restart in place with are the front
-    door's only: in a group's args, a change of them would make Serve replace its gang."""
-    from engram_ray.serve.settings.config_change import in_place_changes, setting_paths
-
-    extra = in_place_changes(setting_paths(args)) if mode == "in_place" else []
-    if extra:
-        raise ConfigError(f"build_group args: {', '.join(extra)}", "are set in a group "
-                          "application while serving.rollout.mode is in_place",
-                          "these settings in the front door's serving only (the coordinator "
-                          "restarts the engines with them; engram-ray check shows the layout)")
 
 
 def engram_applications(args: dict, app_name: str, route_prefix: str = "/",

@@ -4,11 +4,13 @@ generation protocol on a real local Ray, and the application `build_app` assembl
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from engram_ray.errors import EngramRayError
+from engram_ray.errors import ConfigError, EngramRayError
 from engram_ray.planning.grouping import Domain, PeerGroupPlan
 from engram_ray.serve.app import llm_config, server_class
 from engram_ray.serve.deploy.cluster_configs import load_serve_config
@@ -226,7 +228,8 @@ def test_replica_that_cannot_start_gives_its_rank_back_at_once(ray_local, tmp_pa
 def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, tmp_path):
     """The local YAML on one node (a CPU domain): the front door's ingress names each group's
     application; a group's application is one deployment, a gang of 2 whose bundles are
-    label-selected to that node. A group's args without the front door's settings."""
+    label-selected to that node. A group's args without the front door's settings; a group
+    waits for its front door's settings (other values, another rollout mode)."""
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import find_coordinator
     from engram_ray.serve.app import engram_applications
@@ -272,6 +275,28 @@ def test_build_app_puts_one_gang_per_group_behind_the_openai_ingress(ray_local, 
     config["serving"]["metrics_port"] = 9600
     with pytest.raises(EngramRayError, match="and other values of serving.metrics_port"):
         group_domain(config, "group-0", "built", 1.0)
+    # A deploy that switches to beside writes the engine settings into the groups' args, and
+    # Serve builds its applications in no order: a group built before its front door waits
+    # for the coordinator to leave in_place, and takes the front door's settings once it has.
+    written = ["serving.engine_kwargs.max_num_seqs"]
+    with pytest.raises(ConfigError, match=r"^build_group args: serving.engine_kwargs.max_num_seqs:"
+                       " are set in a group application while serving.rollout.mode is "
+                       "in_place"):
+        group_domain(ServeAppConfig.from_dict(raw).to_dict(), "group-0", "built", 1.0,
+                     in_place_written=written)
+    beside = json.loads(json.dumps(raw))
+    beside["serving"]["rollout"] = {"mode": "beside"}
+    beside["serving"]["engine_kwargs"]["max_num_seqs"] = 64
+    beside = ServeAppConfig.from_dict(beside).to_dict()
+    domains = {"group-0": placed}
+    front_door = threading.Timer(2.0, lambda: ray.get(
+        find_coordinator("built").reconfigure.remote(beside, domains)))
+    front_door.start()
+    started = time.monotonic()
+    assert group_domain(beside, "group-0", "built", 30.0, in_place_written=written) == (
+        placed, beside)
+    assert time.monotonic() - started >= 2.0  # it waited for the front door
+    front_door.join()
     ray.kill(find_coordinator("built"))
 
 
@@ -283,7 +308,6 @@ def test_a_refusal_fails_the_build_once_with_its_own_line(ray_local):
     ray = ray_local
     from ray.serve.exceptions import RayServeException
 
-    from engram_ray.errors import ConfigError
     from engram_ray.serve.app import refused_at_once
 
     @ray.remote
