@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import ray
 
@@ -132,7 +133,7 @@ def refused_change(app_config_dict: dict, deployment_name: str) -> str | None:
 
 
 def group_domain(app_config_dict: dict, group_id: str, deployment_name: str,
-                 timeout_s: float, in_place_written: list[str] = ()) -> tuple[str, dict]:
+                 timeout_s: float, in_place_written: Sequence[str] = ()) -> tuple[str, dict]:
     """(domain id of `group_id`, the coordinator's app config), once the front door's build
     set the coordinator up with the group settings of `app_config_dict` (a group
     application's config) and placed the group; EngramRayError naming what is missing after
