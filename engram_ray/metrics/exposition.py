@@ -49,7 +49,7 @@ MAX_SLOTS = 100  # engine slots of one node that can have fixed ports (port_name
 def fixed_ports(base: int) -> range:
     """Every port the engines of a node may bind with `serving.metrics_port` `base` (empty
     for 0): a free port taken for anything else must not be one of them."""
-    return range(base, base + 2 * MAX_SLOTS) if base else range(0)
+    return range(base, metrics_port(base, MAX_SLOTS, ENDPOINTS[0])) if base else range(0)
 
 
 def port_name(slot: int, endpoint: str) -> str:

@@ -76,8 +76,6 @@ def _quantity(value) -> float | None:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
-
-
 def kuberay_hosts(cluster_spec: dict) -> list[Hosts]:
     """The worker pods of a RayCluster spec (a RayService's `rayClusterConfig`)."""
     hosts = []

