@@ -1,17 +1,24 @@
 """How long the coordinator lives: through its own death, not past its application.
 
 Its own death: the actor restarts (`max_restarts=-1`; Ray re-runs its constructor with the same
-arguments and retries the calls that were in flight). A restarted coordinator holds nothing, so
-for `REBUILD_WAIT_S` it waits for the members to tell it what they hold (each replica asks for
-the coordinator's incarnation every `MEMBER_CHECK_S` and rejoins when it changed,
-`engram_ray.serve.member.link`); calls that read or change groups wait until then, so the
-ingress keeps routing on the table it had and no gang opens a second generation.
+arguments and retries the calls that were in flight). What it decided is kept in Ray's KV store
+(GCS) before any call that depends on it is answered: its settings (`save_settings`, JSON: the
+build reads them too) and its state (`save_state`: every group's generations with their roles,
+members, restarts in place and DP restart epochs, the in-place roll's turns, stop and start,
+the metric targets, the replica actors it watches). A restarted coordinator restores both
+before it answers its first call, so it makes the decisions the old one would have made, and
+the calls Ray retries on it (join, member_restarting, ...) are answered as the first try would
+have been. Its members still rejoin (each asks for the coordinator's incarnation every
+`MEMBER_CHECK_S`), which confirms what they hold. A coordinator that finds no saved state (its
+predecessor ran an older release) rebuilds from the rejoins alone, for up to `REBUILD_WAIT_S`.
 
 Its application: the coordinator is detached (a `serve deploy` build task that creates it ends
 at once), so it watches Serve for the application it belongs to, the one whose engine
 deployments carry its deployment name (`engram_ray.serve.app`). Once it has seen that
 application, it goes when the application goes (`serve shutdown`, `serve delete`): store
-folders removed, targets emptied, the http_sd port closed, the actor ended for good.
+folders removed, targets emptied, the http_sd port closed, the actor ended for good. Serve shut
+down after the coordinator saw it running ends it too, even when no engine deployment was ever
+seen (every group's build failed).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import logging
 
 import ray
+from ray import cloudpickle
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +52,7 @@ def application_names(deployment_name: str) -> tuple[set[str], set[str]] | None:
     """(names of the Serve applications, not being deleted, that hold the engine deployments
     of `deployment_name` (named `<class>:<deployment name>:group-<i>`), names of every
     application not being deleted); None when Serve cannot be asked now (its controller
-    restarting); two empty sets when Serve was shut down."""
+    restarting); two empty sets when Serve was shut down (no controller)."""
     from ray import serve
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
@@ -74,6 +82,7 @@ class ApplicationWatch:
 
     def __init__(self, deployment_name: str):
         self.deployment_name, self.names = deployment_name, set()
+        self.saw_serve = False  # Serve's controller answered once
 
     def gone(self) -> bool:
         found = application_names(self.deployment_name)
@@ -83,7 +92,23 @@ class ApplicationWatch:
         if holding:
             self.names |= holding
             return False
-        return bool(self.names) and not (self.names & live)
+        if self.names:
+            return not (self.names & live)
+        # Never seen (every group's build failed): gone once Serve itself went after running
+        # (`serve shutdown`).
+        running = _serve_running()
+        self.saw_serve = self.saw_serve or running
+        return self.saw_serve and not running
+
+
+def _serve_running() -> bool:
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 def _settings_key(name: str) -> bytes:
@@ -93,11 +118,12 @@ def _settings_key(name: str) -> bytes:
 def save_settings(name: str, app_config_dict: dict | None, domains: dict | None = None,
                   lineage: str | None = None) -> None:
     """Keep the coordinator's current settings and lineage in Ray's KV store (a rolled-out
-    config outlives a restart); None removes them."""
+    config outlives a restart); None removes them and its state."""
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
     if app_config_dict is None:
         _internal_kv_del(_settings_key(name))
+        _internal_kv_del(_state_key(name))
         return
     _internal_kv_put(_settings_key(name), json.dumps({
         "app": app_config_dict, "domains": domains, "lineage": lineage}), overwrite=True)
@@ -108,3 +134,31 @@ def saved_settings(name: str) -> dict | None:
 
     raw = _internal_kv_get(_settings_key(name))
     return json.loads(raw) if raw else None
+
+
+def _state_key(name: str) -> bytes:
+    return f"engram-coordinator-state:{name}".encode()
+
+
+def save_state(name: str, state: dict) -> None:
+    """Keep the coordinator's state (module doc) in Ray's KV store, pickled: its book's
+    dataclasses and the replica actors' handles as they are."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(_state_key(name), cloudpickle.dumps(state), overwrite=True)
+
+
+def saved_state(name: str) -> dict | None:
+    """The state `save_state` kept, or None (none kept, or one this release cannot read:
+    then the coordinator rebuilds from its members' rejoins)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(_state_key(name))
+    if not raw:
+        return None
+    try:
+        return cloudpickle.loads(raw)
+    except Exception:  # noqa: BLE001 - another release's classes: rebuild from the members
+        logger.exception("engram-ray: the saved state of coordinator %s cannot be read; it "
+                         "rebuilds from its members", name)
+        return None

@@ -19,6 +19,10 @@ stops there (`stop`) until the next change of settings.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the book is passed in; this module needs no import of it
+    from engram_ray.planning.generations import GenerationBook
 
 
 class InPlaceRoll:
@@ -49,6 +53,15 @@ class InPlaceRoll:
         if group_id is not None and started is not None and version == self.version:
             self.restarted.append({"replica_id": replica_id, "group_id": group_id,
                                    "seconds": round(time.time() - started, 1)})
+
+    def rejoined(self, replica_id: str, version: str | None) -> None:
+        """The member told a restarted coordinator that its engine runs `version`: a turn it
+        holds goes on while it runs other settings (its engine is restarting for it)."""
+        if replica_id in self.turns and version != self.version:
+            if version is not None:
+                self.member_versions[replica_id] = version
+            return
+        self.running(replica_id, version)
 
     def forget(self, replica_id: str) -> None:
         self.member_versions.pop(replica_id, None)
@@ -97,3 +110,28 @@ class InPlaceRoll:
         return {"version": self.version, "members": len(members), "done": len(done),
                 "restarting": sorted(self.turns), "stopped": self.stopped,
                 "restarted": list(self.restarted)}
+
+
+def take_turn(roll: InPlaceRoll, book: GenerationBook, replica_id: str, running: str,
+              mode: str, max_groups_at_once: int) -> tuple[str | None, bool]:
+    """(the settings version member `replica_id`, whose engine runs `running`, restarts with
+    now, or None; whether the group's routing changed). A turn marks the member, and the rest
+    of its data-parallel gang, restarting in `book` (its group routes around it) and in
+    `roll` (no other member of the group, and no more than `max_groups_at_once` groups, get
+    one until it is back). Turns of members whose gang is gone are dropped first."""
+    roll.member_versions.setdefault(replica_id, running)
+    live = book.member_ids()
+    for stale in [r for r in roll.turns if r not in live]:
+        roll.forget(stale)
+    if mode != "in_place" or not roll.is_behind(replica_id):
+        return None, False
+    if replica_id in roll.turns:
+        return roll.version, False  # asked again before it reported: still its turn
+    group_id = book.whole_group_of(replica_id)
+    if group_id is None or not roll.next_turn(replica_id, group_id, True, max_groups_at_once):
+        return None, False
+    changed = book.member_restarting(replica_id, f"settings {roll.version} rolling out: "
+                                                 "engine restarts in place") is not None
+    for peer in book.dp_peers(replica_id):  # a DP gang restarts whole
+        roll.join_turn(peer, group_id)
+    return roll.version, changed

@@ -409,17 +409,17 @@ def test_a_coordinator_rebuilt_after_a_takeover_keeps_the_new_gang_current(tmp_p
     assert rebuilt.may_take_over("c", 60.0) is True  # drained: the new members end their start
 
 
-def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, tmp_path):
-    """kill -9 of the coordinator's process: Ray restarts it; calls in flight wait for the
-    members to rejoin (the ingress keeps its table meanwhile), then answer as before; a folder
-    no member claims is removed (after a grace: a gang starting beside the serving one may
-    rejoin last, and keeps its folder); a join after the rebuild continues the generation."""
+def test_a_killed_coordinator_restarts_with_its_saved_state(ray_local, tmp_path):
+    """kill -9 of the coordinator's process: Ray restarts it with the state it saved; a long
+    poll in flight is answered at once with the same table (no wait for the members), targets
+    and slots are back, a folder handed to no member is removed at once (its owners are known
+    gone: every folder handed out is in the saved state), the members' folders stay, rejoins
+    are taken, and a join after the restart continues the generation."""
     import os
     import signal
 
     ray = ray_local
     from engram_ray.actors.coordinator_lookup import get_coordinator
-    from engram_ray.actors.lifetime import REBUILD_WAIT_S
 
     raw = _raw(tmp_path, "rebuild")
     raw["deployment"]["peer_group_size"] = 1
@@ -429,6 +429,8 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
     for i in range(2):
         assignments[f"m{i}"] = ray.get(coordinator.join.remote(f"group-{i}", f"g{i}", 0, 1,
                                                                f"m{i}"))
+        ray.get(coordinator.register_target.remote(f"m{i}", f"127.0.0.1:9{i}", {}))
+        assert ray.get(coordinator.metrics_slot.remote(f"m{i}", "node-a")) == i
         ray.get(coordinator.member_ready.remote(f"m{i}"))
     version, before = ray.get(coordinator.routing.remote())
     incarnation = ray.get(coordinator.member_check.remote())["incarnation"]
@@ -438,36 +440,102 @@ def test_a_killed_coordinator_restarts_and_rebuilds_from_its_members(ray_local, 
     pid = ray.get(coordinator.__ray_call__.remote(lambda _self: os.getpid()))
     os.kill(pid, signal.SIGKILL)
     poll = coordinator.routing.remote(version, 30.0)  # retried on the restarted actor
-    time.sleep(1.0)
-    ready, _ = ray.wait([poll], timeout=0)
-    assert not ready  # it waits for the members instead of answering an empty table
+    new_version, after = ray.get(poll, timeout=30)
+    assert after == before and new_version > version
     assert ray.get(coordinator.member_check.remote())["incarnation"] != incarnation
+    assert not stale.exists()
+    assert all(Path(a["store_dir"]).is_dir() for a in assignments.values())
+    targets = {t for g in ray.get(coordinator.target_groups.remote()) for t in g["targets"]
+               if g["labels"].get("endpoint") != "coordinator"}  # its own: a new one
+    assert targets == {"127.0.0.1:90", "127.0.0.1:91"}
+    assert ray.get(coordinator.metrics_slot.remote("m1", "node-a")) == 1  # kept
     for replica_id, a in assignments.items():
         assert ray.get(coordinator.rejoin.remote(_member_record(a, replica_id)))
-    new_version, after = ray.get(poll, timeout=10)
-    assert after == before and new_version > version
-    # A gang starting beside the serving one rejoins after the serving gangs (the rebuild
-    # has ended): its folder is kept; one nobody claims goes once the grace has passed.
-    assert stale.exists()
-    late_dir = Path(assignments["m0"]["store_dir"]).parent / "rebuild-group-0.2.late"
-    late_dir.mkdir(mode=0o700)
-    late = dict(assignments["m0"], generation=late_dir.name, gang_id="g0-next",
-                generation_index=assignments["m0"]["generation_index"] + 1,
-                store_dir=str(late_dir))
-    assert ray.get(coordinator.rejoin.remote({**_member_record(late, "n0", ready=False),
-                                              "role": "starting"}))
-    deadline = time.monotonic() + REBUILD_WAIT_S + 10
-    while stale.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not stale.exists() and Path(assignments["m0"]["store_dir"]).is_dir()
-    assert late_dir.is_dir()
-    targets = {t for g in ray.get(coordinator.target_groups.remote()) for t in g["targets"]
-               if g["labels"].get("endpoint") != "coordinator"}  # its own: kept
-    assert targets == {"127.0.0.1:90", "127.0.0.1:91"}
+    assert ray.get(coordinator.routing.remote())[1] == before
     again = ray.get(coordinator.join.remote("group-0", "g0", 0, 1, "m0"))
     assert again["generation"] == assignments["m0"]["generation"]
     ray.get(coordinator.shutdown.remote())
     assert not Path(assignments["m0"]["store_dir"]).exists()
+    ray.kill(coordinator)
+
+
+def test_a_coordinator_killed_mid_roll_of_a_dp_gang_decides_as_before(ray_local, tmp_path):
+    """An in-place roll of two groups of 4 (DEP2, max_groups_at_once 1); the coordinator is
+    killed right after it gave member 0 its turn (so member 1, its DP peer, restarts with
+    it) and again after the roll stopped: the restarted one keeps the turn, the peer's
+    restart epoch and the group's routing, gives no other group a turn, and a stopped roll
+    stays stopped."""
+    import os
+    import signal
+
+    ray = ray_local
+    from engram_ray.actors.coordinator_lookup import get_coordinator
+    from engram_ray.serve.settings.config_change import config_version
+
+    raw = _raw(tmp_path, "midroll")
+    raw["deployment"]["peer_group_size"], raw["serving"]["num_peer_groups"] = 4, 2
+    raw["serving"]["data_parallel_size"] = 2
+    raw["serving"]["rollout"] = {"mode": "in_place", "max_groups_at_once": 1}
+    domains = {"group-0": "a", "group-1": "b"}
+    coordinator = get_coordinator(raw, domains, "midroll")
+    members = [(g, r, f"g{g}m{r}") for g in range(2) for r in range(4)]
+    for g, r, replica_id in members:
+        ray.get(coordinator.join.remote(f"group-{g}", f"gang{g}", r, 4, replica_id))
+        ray.get(coordinator.member_ready.remote(replica_id))
+    old = config_version(raw)
+    new_raw = json.loads(json.dumps(raw))
+    new_raw["serving"]["max_model_len"] = raw["serving"].get("max_model_len", 512) + 64
+    ray.get(coordinator.reconfigure.remote(new_raw, domains))
+    new = config_version(new_raw)
+    check = lambda rid: ray.get(coordinator.member_check.remote(rid, 0, False, old))  # noqa: E731
+    assert check("g0m0")["restart_for"] == new
+    version, before = ray.get(coordinator.routing.remote())
+    assert before["group-0"]["restarting_ranks"] == [0, 1]
+
+    def kill():
+        pid = ray.get(coordinator.__ray_call__.remote(lambda _self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+    kill()
+    assert ray.get(coordinator.routing.remote(version, 30.0), timeout=30)[1] == before
+    answer = check("g0m1")  # the DP peer: same turn, same restart epoch
+    assert answer["restart_for"] == new and answer["restart_epoch"] == 1
+    assert check("g0m0")["restart_epoch"] == 1
+    assert all(check(f"g1m{r}")["restart_for"] is None for r in range(4))  # one group at once
+    assert check("g0m2")["restart_for"] is None  # never two DP gangs of one group
+    assert ray.get(coordinator.roll_status.remote())["restarting"] == ["g0m0", "g0m1"]
+    ray.get(coordinator.roll_failed.remote("g0m0", "engine did not start"))
+    ray.get(coordinator.member_ready.remote("g0m0", None, old))
+    ray.get(coordinator.member_ready.remote("g0m1", None, old))
+    kill()
+    status = ray.get(coordinator.roll_status.remote(), timeout=30)
+    assert status["stopped"]["reason"] == "engine did not start"
+    assert all(check(rid)["restart_for"] is None for _, _, rid in members)  # stays stopped
+    ray.get(coordinator.shutdown.remote())
+    ray.kill(coordinator)
+
+
+def test_waiting_callers_do_not_starve_the_members(ray_local, tmp_path):
+    """64 routing long polls parked on the coordinator (as 64 ingress replicas hold them):
+    a member's check and a join still answer at once, and a change reaches every poll."""
+    ray = ray_local
+    from engram_ray.actors.coordinator_lookup import get_coordinator
+
+    raw = _raw(tmp_path, "polls")
+    raw["deployment"]["peer_group_size"] = 1
+    raw["serving"]["num_peer_groups"] = 2
+    coordinator = get_coordinator(raw, {"group-0": "a", "group-1": "b"}, "polls")
+    ray.get(coordinator.join.remote("group-0", "g0", 0, 1, "m0"))
+    version, _ = ray.get(coordinator.routing.remote())
+    polls = [coordinator.routing.remote(version, 60.0) for _ in range(64)]
+    time.sleep(1.0)
+    assert not ray.wait(polls, num_returns=1, timeout=0)[0]  # all parked
+    started = time.monotonic()
+    ray.get(coordinator.member_check.remote("m0", 0, False, None))
+    ray.get(coordinator.join.remote("group-1", "g1", 0, 1, "m1"))
+    assert time.monotonic() - started < 5.0  # 16 polls held a threaded actor for 10 s each
+    answers = ray.get(polls, timeout=10)
+    assert {v for v, _ in answers} == {answers[0][0]} and answers[0][0] > version
+    ray.get(coordinator.shutdown.remote())
     ray.kill(coordinator)
 
 
