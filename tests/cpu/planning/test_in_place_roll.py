@@ -68,3 +68,73 @@ def test_a_data_parallel_gang_takes_its_turn_together():
     roll.running("a", "v2"), roll.running("b", "v2")
     assert roll.next_turn("c", "group-0", True, 1)
     assert [r["replica_id"] for r in roll.progress("abcd")["restarted"]] == ["a", "b"]
+
+
+def _dp_book(tmp_path, num_groups: int = 2):
+    """Groups of 4 members in DP gangs of 2, every member joined and ready."""
+    from pathlib import Path
+
+    from engram_ray.model.layout import load_layout
+    from engram_ray.planning.generations import GenerationBook
+    from engram_ray.serve.deploy.cluster_configs import load_serve_config
+    from engram_ray.serve.settings.config import ServeAppConfig
+
+    configs = Path(__file__).resolve().parents[3] / "cluster_configs"
+    raw = next(iter(load_serve_config(configs / "serve_local_tiny.yaml").values())).to_dict()
+    raw["deployment"].update(peer_group_store=str(tmp_path / "store"), name="turns",
+                             model="deepseek-v4.1-flash", peer_group_size=4)
+    config = ServeAppConfig.from_dict(raw, "test").deployment
+    book = GenerationBook(config, load_layout(config.model),
+                          {f"group-{g}": f"d{g}" for g in range(num_groups)}, dp_size=2)
+    for g in range(num_groups):
+        for r in range(4):
+            book.join(f"group-{g}", f"gang{g}", r, 4, f"g{g}m{r}")
+            book.member_ready(f"g{g}m{r}")
+    return book
+
+
+def test_take_turn_restarts_a_dp_gang_whole_one_group_at_a_time(tmp_path):
+    """The coordinator's turn (`take_turn`) over a real book: the member and its DP peer are
+    marked restarting under one epoch, its group routes to the other gang, no other group
+    gets a turn (max 1), a member asking again keeps its turn, and nothing is given in
+    another mode or to a member on the target settings."""
+    from engram_ray.planning.in_place_roll import take_turn
+
+    book = _dp_book(tmp_path)
+    roll = InPlaceRoll("v1")
+    for rid in book.member_ids():
+        roll.running(rid, "v1")
+    assert take_turn(roll, book, "g0m0", "v1", "in_place", 1) == (None, False)
+    roll.set_target("v2")
+    assert take_turn(roll, book, "g0m0", "v1", "beside", 1) == (None, False)
+    assert take_turn(roll, book, "g0m0", "v1", "in_place", 1) == ("v2", True)
+    route = book.routing()["group-0"]
+    assert route["restarting_ranks"] == [0, 1] and route["serving_members"] == ["g0m2", "g0m3"]
+    assert (book.restart_epoch("g0m1"), book.restart_epoch("g0m2")) == (1, None)
+    assert take_turn(roll, book, "g0m1", "v1", "in_place", 1) == ("v2", False)  # its peer
+    assert take_turn(roll, book, "g0m0", "v1", "in_place", 1) == ("v2", False)  # again
+    assert take_turn(roll, book, "g0m2", "v1", "in_place", 1) == (None, False)  # same group
+    assert take_turn(roll, book, "g1m0", "v1", "in_place", 1) == (None, False)  # max 1 group
+    assert take_turn(roll, book, "g1m0", "v1", "in_place", 2)[0] == "v2"       # max 2
+    for rid in ("g0m0", "g0m1"):
+        book.member_ready(rid)
+        roll.running(rid, "v2")
+    assert take_turn(roll, book, "g0m0", "v2", "in_place", 2) == (None, False)  # on target
+    assert take_turn(roll, book, "g0m3", "v1", "in_place", 2)[0] == "v2"
+
+
+def test_take_turn_drops_the_turn_of_a_gang_that_is_gone(tmp_path):
+    from engram_ray.planning.in_place_roll import take_turn
+
+    book = _dp_book(tmp_path, num_groups=1)
+    roll = InPlaceRoll("v1")
+    roll.set_target("v2")
+    assert take_turn(roll, book, "g0m0", "v1", "in_place", 1)[0] == "v2"
+    for r in range(4):  # Serve restarted the gang: a new one joins
+        book.leave(f"g0m{r}")
+    for r in range(4):
+        book.join("group-0", "gang-new", r, 4, f"n{r}")
+        book.member_ready(f"n{r}")
+        roll.running(f"n{r}", "v2")  # a new gang starts on the coordinator's settings
+    assert take_turn(roll, book, "n0", "v2", "in_place", 1) == (None, False)
+    assert roll.turns == {}  # the old gang's turn went with it

@@ -99,3 +99,30 @@ def test_a_drain_refuses_new_requests_and_waits_for_the_running_ones():
     assert asyncio.run(run()) == ((2, True), (1, False))
     with pytest.raises(MemberRetiredError, match="restarts its engine with new settings"):
         requests.refuse_if_retired(ASSIGNMENT)
+
+
+def test_a_stream_closed_or_dropped_before_its_first_item_is_no_longer_counted():
+    """A client gone before the first token: the stream is closed (or dropped) unread; the
+    member's count falls back to 0, so the next drain does not wait for it."""
+    import gc
+
+    requests = MemberRequests()
+
+    async def call(request, raw_request_info):
+        async def stream():
+            yield "a"
+        return stream()
+
+    async def run():
+        stream = await requests.counted(call, {}, None, "local-group-0.1", "v1")
+        assert requests.in_flight == 1
+        await stream.aclose()
+        assert requests.in_flight == 0
+        await stream.aclose()  # twice: counted once
+        dropped = await requests.counted(call, {}, None, "local-group-0.1", "v1")
+        assert requests.in_flight == 1
+        del dropped
+        gc.collect()
+        assert requests.in_flight == 0
+        assert await requests.drain(5.0) == (0, True)
+    asyncio.run(run())
