@@ -159,6 +159,9 @@ class Coordinator:
         if routing:
             self.feed.changed()
         self._save()
+        gangs, self.book.ended_gangs = self.book.ended_gangs, []
+        if gangs:  # their DP round keys, off the loop (GCS calls)
+            self._loop.create_task(asyncio.to_thread(_forget_gangs, gangs))
 
     async def _rebuilt(self) -> None:
         """Calls that read or change groups wait until the members rejoined (only after a
@@ -425,6 +428,8 @@ class Coordinator:
         """Remove every store folder of the application's groups, every metrics target (an
         empty file_sd list), and close the http_sd port."""
         self.book.remove_stores()
+        gangs, self.book.ended_gangs = self.book.ended_gangs, []
+        await asyncio.to_thread(_forget_gangs, gangs)
         self.metric_targets.clear()
         sd_server, self.sd_server = self.sd_server, None
         if sd_server is not None:  # its thread may wait on this loop (`_read`): not here
@@ -437,3 +442,14 @@ class Coordinator:
         await self.shutdown()
         save_settings(coordinator_name(self.deployment_name), None)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def _forget_gangs(gang_ids: list[str]) -> None:
+    """The DP round keys of gangs whose generation ended (`dp_gang.forget_gang`)."""
+    from engram_ray.serve.member.dp_gang import forget_gang
+
+    for gang_id in gang_ids:
+        try:
+            forget_gang(gang_id)
+        except Exception:  # noqa: BLE001 - the GCS busy: left for the application's end
+            logger.exception("engram-ray: removing the DP round keys of gang %s failed", gang_id)

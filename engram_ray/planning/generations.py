@@ -59,6 +59,9 @@ class GenerationBook(RolloutMixin, RebuildMixin):
         self.config, self.layout = config, layout
         self.dp_size = dp_size  # engines per data-parallel gang (serving.data_parallel_size)
         self.groups = {gid: GroupRecord(gid, domain) for gid, domain in domains.items()}
+        # Gang ids of generations that ended (their members are gone): the coordinator
+        # removes what they kept outside the book (DP round keys) and empties this.
+        self.ended_gangs: list[str] = []
 
     def join(self, group_id: str, gang_id: str, rank: int, world_size: int, replica_id: str,
              node_labels: dict | None = None) -> dict:
@@ -92,6 +95,7 @@ class GenerationBook(RolloutMixin, RebuildMixin):
         folders (Serve deletes its deployment)."""
         self.config = config
         for gid in [g for g in self.groups if g not in domains]:
+            self.ended_gangs += [g.gang_id for g in self.groups[gid].generations()]
             del self.groups[gid]
             remove_store_dir(group_store_root(config.peer_group_store, config.name, gid))
         for gid, domain in domains.items():
@@ -112,6 +116,7 @@ class GenerationBook(RolloutMixin, RebuildMixin):
             "broken": old.broken, "broken_at": old.broken_at, "retired_at": old.retired_at,
             "ended_at": time.time()})
         remove_store_dir(old.store_dir)
+        self.ended_gangs.append(old.gang_id)
 
     def _assignment(self, group: GroupRecord, gen: Generation, rank: int) -> dict:
         dep = self.config
@@ -277,7 +282,11 @@ class GenerationBook(RolloutMixin, RebuildMixin):
 
     def remove_stores(self) -> None:
         """Every group's store folder, the engine-death records, then the deployment's
-        folder itself if nothing else is in it."""
+        folder itself if nothing else is in it; every gang counted ended."""
+        self.ended_gangs += [g.gang_id for group in self.groups.values()
+                             for g in group.generations()]
+        self.ended_gangs += [h["gang_id"] for group in self.groups.values()
+                             for h in group.history]
         for group_id in self.groups:
             remove_store_dir(group_store_root(self.config.peer_group_store, self.config.name,
                                               group_id))

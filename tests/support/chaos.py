@@ -141,13 +141,14 @@ class Ingress:
             started = time.perf_counter()
             try:
                 await self.coordinator.member_check.options(max_task_retries=0).remote()
-                self.check_ms.append((time.perf_counter() - started) * 1e3)
+                self.check_ms.append((time.time(), (time.perf_counter() - started) * 1e3))
             except Exception:  # noqa: BLE001 - the coordinator restarting
                 pass
 
     async def figures(self, since: float) -> dict:
-        """`check_ms`: member_check round trips; `lag_s`: per routing version first seen
-        after `since`, how long after the first ingress the last one had it (or a newer)."""
+        """`check_ms`: (when, member_check round trip) since `since`; `lag_s`: per routing
+        version first seen after `since`, how long after the first ingress the last one had
+        it (or a newer one)."""
         lags = []
         versions = sorted({v for seen in self.seen for v, t in seen if t > since})
         for version in versions:
@@ -156,7 +157,7 @@ class Ingress:
             firsts = [t for t in firsts if t is not None]
             if len(firsts) == len(self.seen):
                 lags.append(max(firsts) - min(firsts))
-        return {"check_ms": list(self.check_ms), "lag_s": lags}
+        return {"check_ms": [c for c in self.check_ms if c[0] > since], "lag_s": lags}
 
 
 @dataclass
@@ -267,8 +268,21 @@ class Harness:
             self.collect(host)
             ray.kill(host)
         elif event == "coordinator_kill":
-            pid = ray.get(self.coordinator.__ray_call__.remote(lambda _self: os.getpid()))
-            os.kill(pid, signal.SIGKILL)
+            self.kill_coordinator()
+
+    def kill_coordinator(self) -> None:
+        """kill -9 of its process; the seconds until a restarted one answers a member's
+        check (its state restored) go into `Run.figures["coordinator_back_s"]`."""
+        before = ray.get(self.coordinator.member_check.remote())["incarnation"]
+        pid = ray.get(self.coordinator.__ray_call__.remote(lambda _self: os.getpid()))
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while ray.get(self.coordinator.member_check.remote(), timeout=60)["incarnation"] \
+                == before:
+            time.sleep(0.05)
+        self.run.figures.setdefault("coordinator_back_s", []).append(
+            round(time.monotonic() - killed_at, 3))
+        self.run.figures.setdefault("killed_at", []).append(time.time())
 
     def status(self) -> None:
         """The roll's stop as the coordinator shows it (for the stopped-roll invariant)."""
@@ -292,7 +306,8 @@ class Harness:
                 why = f"coordinator: {exc}"
                 time.sleep(0.5)
                 continue
-            not_serving = sorted(g for g, r in table.items() if not r["serving"])
+            not_serving = sorted(g for g, r in table.items()
+                                 if not r["serving"] or r["restarting_ranks"])
             ended = roll["stopped"] is not None or (
                 roll["done"] == roll["members"] == self.shape.num_groups * self.shape.group_size
                 and not roll["restarting"])
@@ -331,7 +346,7 @@ def run_schedule(seed: int, shape: Shape, workdir: str, ingress, duration_s: flo
     if why is not None:
         run.violations.append(f"no quiet within {quiet_s:.0f} s: {why}")
     harness.collect_all()
-    run.figures = ray.get(ingress.figures.remote(started))
+    run.figures.update(ray.get(ingress.figures.remote(started)))
     stop(harness)
     run.violations += check(run)
     return run

@@ -129,7 +129,9 @@ class StandInMember:
         self.group_id, self.rank, self.size = group_id, rank, size
         self._replica_id = f"{gang_id}-r{rank}"
         self.dp_size, self.dp_rank = dp_size, rank % dp_size
-        self.gang_id = f"{gang_id}-dp{rank // dp_size}"
+        from engram_ray.serve.member.dp_gang import dp_gang_id
+
+        self.gang_id = dp_gang_id(gang_id, rank // dp_size)
         self._replica_labels, self._node_id, self._metrics_slot = {}, "node-standin", rank
         self._holder, self.engram_metrics = _Holder(), _Metrics()
         self._assignment, self._app = None, None

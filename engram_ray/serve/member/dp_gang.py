@@ -15,6 +15,9 @@ import asyncio
 import time
 
 BARRIER_PREFIX = "engram_ray:dp_barrier/"
+# Ray Serve LLM's `GangMasterInfoRegistry._KEY_PREFIX` (Ray 2.60; a test holds them equal),
+# spelled out so that the coordinator, which never imports vLLM, can remove the keys.
+MASTER_PREFIX = "LLMServeRegistry:serve_global:gang_dp_master/"
 POLL_S = 0.1
 
 
@@ -46,6 +49,26 @@ def forget_dp_round(key: str, dp_size: int) -> None:
     GangMasterInfoRegistry.unregister(key)
     for rank in range(dp_size):
         _internal_kv_del(_barrier_key(key, rank))
+
+
+def dp_gang_id(serve_gang_id: str, dp_gang: int) -> str:
+    """The id of DP gang `dp_gang` (peer ranks [dp_gang * D, (dp_gang + 1) * D)) of a peer
+    group's Serve gang: every key of its rounds starts with it."""
+    return f"{serve_gang_id}-dp{dp_gang}"
+
+
+def forget_gang(serve_gang_id: str) -> int:
+    """Every DP master and barrier key of the DP gangs of Serve gang `serve_gang_id`, once
+    the coordinator knows it gone (its generation ended): rounds that ended in a failure or
+    a gang restart leave theirs. The number of keys removed."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
+
+    removed = 0
+    for prefix in (BARRIER_PREFIX, MASTER_PREFIX):
+        for key in _internal_kv_list(f"{prefix}{dp_gang_id(serve_gang_id, 0)[:-1]}".encode()):
+            _internal_kv_del(key)
+            removed += 1
+    return removed
 
 
 def _barrier_key(key: str, rank: int) -> bytes:

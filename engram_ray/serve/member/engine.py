@@ -211,9 +211,61 @@ async def _start_off_the_loop(engine_cls, llm_config, step=lambda _name: None):
     prepared = await asyncio.to_thread(prepare, ctx)
     step("vllm config")
     engine_args, _, engine_config = prepared
-    client = await asyncio.to_thread(start_llm, engine_args, engine_config,
-                                     ctx.placement_group)
+    client = await _cancellable(start_llm, engine_args, engine_config, ctx.placement_group)
     step("engine start")
     engine._prepare_engine_config = lambda _ctx: prepared
     engine._start_async_llm_engine = lambda *_args: client
     return engine
+
+
+async def _cancellable(start, *args):
+    """`start(*args)` (it makes `AsyncLLM`: spawns the engine's processes and waits for them
+    to load) in a thread. Cancelled (the restart's deadline, the replica's stop), it does not
+    return before what it started is gone: the processes spawned since it began killed (the
+    thread's `AsyncLLM` then fails its handshake and the thread ends), the thread waited for,
+    and an engine it made all the same ended, so that no rollback or next start meets its
+    memory, its ports or its ring buffers.
+
+    NOTES: cancelling `asyncio.to_thread` cancels the await, not the thread: before this, a
+    start past `in_place_timeout_s` kept loading while the rollback started the old settings
+    beside it, which then failed vLLM's memory check or the metrics port's bind."""
+    import psutil
+
+    own = psutil.Process()
+    before = {p.pid for p in own.children(recursive=True)}
+    future = asyncio.get_running_loop().run_in_executor(None, start, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.shield(_abandon(future, own, before))
+        raise
+
+
+async def _abandon(future, own, before: set[int]) -> None:
+    """The processes of a cancelled start (module's `_cancellable`) killed and reaped, its
+    thread waited for (up to `KILL_WAIT_S` after the last kill), a client it made ended."""
+    import psutil
+
+    from engram_ray.serve.member.processes import KILL_WAIT_S
+
+    deadline = time.monotonic() + KILL_WAIT_S
+    while not future.done() and time.monotonic() < deadline:
+        spawned = [p for p in own.children(recursive=True) if p.pid not in before]
+        for proc in spawned:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(spawned, timeout=1.0)
+        if spawned:
+            deadline = time.monotonic() + KILL_WAIT_S
+        await asyncio.sleep(0.1)
+    if not future.done():
+        logger.error("engram-ray: a cancelled engine start did not end within %.0f s of its "
+                     "processes' kill", KILL_WAIT_S)
+        return
+    client = None if future.cancelled() or future.exception() else future.result()
+    if client is not None:
+        await asyncio.to_thread(end_engine, client, EngineProcesses(client))
+    logger.warning("engram-ray: a cancelled engine start was stopped: its processes killed "
+                   "and reaped")

@@ -109,7 +109,8 @@ class SettingsRoll:
                 logger.error("engram-ray: engine %s did not start with settings %s (%s): "
                              "starting it again on settings %s", name, new_version, reason,
                              old_version)
-                await self._roll_back(old_app, old_version, name, reason, f"{epoch}-back")
+                await self._roll_back(old_app, old_version, name, reason, f"{epoch}-back",
+                                      rollout.in_place_timeout_s)
                 return
             self.version = new_version
         finally:
@@ -124,19 +125,21 @@ class SettingsRoll:
                        ", ".join(f"{step} {s:.1f} s" for step, s in phases.items()))
 
     async def _roll_back(self, old_app, old_version: str, name: str, reason: str,
-                         dp_round: str) -> None:
-        """The engine on its old settings again; the roll stops at this member (and its
-        data-parallel gang, whose engines fail with it and start again with it)."""
+                         dp_round: str, timeout_s: float) -> None:
+        """The engine on its old settings again, within `timeout_s` (past it the member is
+        lost: Serve restarts the gang); the roll stops at this member (and its data-parallel
+        gang, whose engines fail with it and start again with it)."""
         server, restarts = self.server, self.server._restarts
         restarts.is_restarting = True
         try:
             server._member_engine.set_kwargs(old_app)
-            await server._member_engine.restart(dp_round)
+            await asyncio.wait_for(server._member_engine.restart(dp_round), timeout_s)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - lost: Serve restarts the gang
             await restarts.lose(f"engine {name} could not start again on its old settings "
-                                f"after a failed roll ({reason}): {type(exc).__name__}: {exc}")
+                                f"after a failed roll ({reason}): "
+                                f"{restart_failure(exc, timeout_s)}")
             return
         finally:
             restarts.is_restarting = False

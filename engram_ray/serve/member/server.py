@@ -344,12 +344,12 @@ class EngramDPServer(EngramServerMixin, DPServer):
         from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import (
             TIMEOUT_SECONDS)
 
-        from engram_ray.serve.member.dp_gang import meet_dp_master
+        from engram_ray.serve.member.dp_gang import dp_gang_id, meet_dp_master
 
         gang = serve.get_replica_context().gang_context
         self.dp_size = llm_config.engine_kwargs["data_parallel_size"]
         self.dp_rank = gang.rank % self.dp_size
-        self.gang_id = f"{gang.gang_id}-dp{gang.rank // self.dp_size}"
+        self.gang_id = dp_gang_id(gang.gang_id, gang.rank // self.dp_size)
         address, port = await meet_dp_master(self.gang_id, self.dp_rank, TIMEOUT_SECONDS)
         llm_config.update_engine_kwargs(data_parallel_rank=self.dp_rank,
                                         data_parallel_address=address,

@@ -219,3 +219,46 @@ def test_a_member_whose_dp_gang_restarts_stops_its_live_engine_and_restarts_with
     member.error, engine.restarted = None, False
     member.on_gang_restart(1)  # a number it has restarted under already
     assert not engine.restarted and not member.is_restarting
+
+
+def test_a_start_past_its_deadline_is_killed_and_reaped_before_the_deadline_returns():
+    """A start that hangs in its thread (it spawned a process and waits on it, as `AsyncLLM`
+    waits on its EngineCore) and is given up by `wait_for`: the process it spawned is killed
+    and the thread has ended by the time the TimeoutError reaches the caller (the rollback
+    starts only then); before, the thread went on loading beside the rollback."""
+    import subprocess
+    import threading
+    import time
+
+    import psutil
+
+    from engram_ray.serve.member.engine import _cancellable
+
+    spawned, ended = [], threading.Event()
+
+    def start():
+        try:
+            proc = subprocess.Popen(["sleep", "600"])
+            spawned.append(proc.pid)
+            proc.wait()  # killed: returns
+            raise RuntimeError("engine core died during start-up")
+        finally:
+            ended.set()
+
+    async def run():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(_cancellable(start), 1.0)
+        return time.monotonic()
+
+    started = time.monotonic()
+    returned = asyncio.run(run())
+    assert ended.is_set() and spawned
+    assert not psutil.pid_exists(spawned[0]) or \
+        psutil.Process(spawned[0]).status() == psutil.STATUS_ZOMBIE
+    assert returned - started < 10.0
+
+
+def test_a_start_that_ends_in_time_returns_its_engine():
+    from engram_ray.serve.member.engine import _cancellable
+
+    assert asyncio.run(_cancellable(lambda a, b: a + b, 2, 3)) == 5
