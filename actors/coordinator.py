@@ -101,7 +101,7 @@ class Coordinator:
         self.incarnation = secrets.token_hex(4)
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
                                    domains, config.serving.data_parallel_size)
-        self.roll = InPlaceRoll(config_version(app_config_dict))
+        self.roll = InPlaceRoll(config_version(app_config_dict), app_config_dict)
         self.metric_targets = TargetBook(config.serving.prometheus_targets_file)
         self.feed = RoutingFeed()
         self.rebuild = RebuildWait(REBUILD_WAIT_S if restarted and state is None else None)
@@ -351,7 +351,7 @@ class Coordinator:
         await self._rebuilt()
         config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
         self._refusal = None
-        if self.roll.set_target(config_version(app_config_dict)) and \
+        if self.roll.set_target(config_version(app_config_dict), app_config_dict) and \
                 config.serving.rollout.mode == "in_place":
             logger.warning("engram-ray: coordinator %s rolls settings %s out: each member's "
                            "engine restarts in place, one per group at a time",
@@ -372,18 +372,30 @@ class Coordinator:
         self.made_with = (app_config_dict, domains)
         self._changed()
 
-    async def member_settings(self) -> tuple[str, dict]:
-        """(settings version, app config) the members' engines should run."""
-        from engram_ray.serve.settings.config_change import config_version
+    async def member_settings(self, version: str | None = None) -> tuple[str, dict]:
+        """(settings version, app config) a member's engine runs: those of `version` while a
+        turn for it is under way (every engine of a DP gang restarts with the settings its
+        turn was given for, whatever was deployed since), else the target's."""
+        found, settings = self.roll.settings_for(version)
+        if settings is None:  # a state saved before settings were kept per version
+            from engram_ray.serve.settings.config_change import config_version
 
-        return config_version(self.made_with[0]), self.made_with[0]
+            return config_version(self.made_with[0]), self.made_with[0]
+        return found, settings
 
-    async def roll_failed(self, replica_id: str, reason: str) -> None:
-        """Member `replica_id`'s engine would not start with the rolled-out settings (it
-        serves on the old ones again): the roll stops at it, also across restarts of this
-        coordinator, until the settings change."""
-        self.roll.stop(replica_id, reason)
+    async def roll_failed(self, replica_id: str, reason: str, version: str | None = None
+                          ) -> None:
+        """Member `replica_id`'s engine would not start with settings `version` (it serves
+        on the old ones again): the roll of them stops at it, also across restarts of this
+        coordinator, until the settings change; a turn for settings deployed over since just
+        ends."""
+        stopped = self.roll.stop(replica_id, reason, version)
         self._changed(routing=False)
+        if not stopped:
+            logger.warning("engram-ray: member %s did not start with settings %s, no longer "
+                           "the target (%s): the roll goes on", replica_id, version,
+                           self.roll.version)
+            return
         logger.error("engram-ray: the in-place roll of %s's settings %s stopped at member %s "
                      "(it serves on its old settings): %s; deploy settings that start, or the "
                      "old ones", self.deployment_name, self.roll.version, replica_id, reason)

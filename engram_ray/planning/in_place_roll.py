@@ -14,6 +14,11 @@ whether it is its turn (`next_turn`). A turn goes to a member whose engine runs 
 The member drains, restarts its engine with the new settings and reports ready with the new
 version (`running`), or, when the new engine fails, restarts on the old settings and the roll
 stops there (`stop`) until the next change of settings.
+
+A turn is for one version: the members of a data-parallel gang restart with the settings of the
+version their turn was given for (`settings_for`), even when a deploy changed the target
+meanwhile (two engines of one DP group on two settings never form the group); the gang is
+behind again afterwards and gets a turn for the new version.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ if TYPE_CHECKING:  # the book is passed in; this module needs no import of it
 
 
 class InPlaceRoll:
-    def __init__(self, version: str):
+    def __init__(self, version: str, settings: dict | None = None):
         self.version = version              # the settings every member should run
+        self.settings: dict[str, dict] = {version: settings} if settings is not None else {}
+        self.turn_versions: dict[str, str] = {}  # replica id -> version its turn is for
         self.member_versions: dict[str, str] = {}   # replica id -> version its engine runs
         self.turns: dict[str, str] = {}     # replica id -> group id: restarting for the roll
         self.stopped: dict | None = None    # {"replica_id", "reason", "at"} once it stopped
@@ -35,29 +42,49 @@ class InPlaceRoll:
         self.restarted: list[dict] = []     # {"replica_id", "group_id", "seconds"} per turn
         self._turn_started: dict[str, float] = {}
 
-    def set_target(self, version: str) -> bool:
-        """New settings: True when they differ from the ones rolled out so far (the roll
-        starts again, a stop forgotten)."""
+    def set_target(self, version: str, settings: dict | None = None) -> bool:
+        """New settings (`settings`: the app config of `version`): True when they differ from
+        the ones rolled out so far (the roll starts again, a stop forgotten)."""
+        if settings is not None:
+            self.settings[version] = settings
         if version == self.version:
             return False
         self.version, self.stopped, self.started_at = version, None, time.time()
         self.restarted = []
+        self._keep_settings()
         return True
+
+    def settings_for(self, version: str | None) -> tuple[str, dict | None]:
+        """(version, app config) a member restarts with: `version`'s, while a turn for it is
+        under way, else the target's."""
+        if version is not None and version in self.settings:
+            return version, self.settings[version]
+        return self.version, self.settings.get(self.version)
+
+    def turn_version(self, replica_id: str) -> str | None:
+        return self.turn_versions.get(replica_id)
+
+    def _keep_settings(self) -> None:
+        """Settings of the target and of turns under way only."""
+        kept = {self.version, *self.turn_versions.values()}
+        self.settings = {v: s for v, s in self.settings.items() if v in kept}
 
     def running(self, replica_id: str, version: str | None) -> None:
         """The member's engine runs `version` (it started, restarted, or rejoined)."""
         if version is not None:
             self.member_versions[replica_id] = version
         group_id = self.turns.pop(replica_id, None)
+        turn_version = self.turn_versions.pop(replica_id, None)
         started = self._turn_started.pop(replica_id, None)
-        if group_id is not None and started is not None and version == self.version:
+        self._keep_settings()
+        if group_id is not None and started is not None and version == turn_version:
             self.restarted.append({"replica_id": replica_id, "group_id": group_id,
                                    "seconds": round(time.time() - started, 1)})
 
     def rejoined(self, replica_id: str, version: str | None) -> None:
         """The member told a restarted coordinator that its engine runs `version`: a turn it
         holds goes on while it runs other settings (its engine is restarting for it)."""
-        if replica_id in self.turns and version != self.version:
+        if replica_id in self.turns and version != self.turn_versions.get(replica_id):
             if version is not None:
                 self.member_versions[replica_id] = version
             return
@@ -66,7 +93,9 @@ class InPlaceRoll:
     def forget(self, replica_id: str) -> None:
         self.member_versions.pop(replica_id, None)
         self.turns.pop(replica_id, None)
+        self.turn_versions.pop(replica_id, None)
         self._turn_started.pop(replica_id, None)
+        self._keep_settings()
 
     def is_behind(self, replica_id: str) -> bool:
         return self.member_versions.get(replica_id, self.version) != self.version
@@ -85,22 +114,30 @@ class InPlaceRoll:
         if len(set(self.turns.values())) >= max_groups_at_once:
             return False
         self.turns[replica_id] = group_id
+        self.turn_versions[replica_id] = self.version
         self._turn_started[replica_id] = time.time()
         return True
 
     def join_turn(self, replica_id: str, group_id: str) -> None:
         """Member `replica_id` restarts in the turn another member of its data-parallel gang
-        was given (a DP gang's engines restart together)."""
+        was given (a DP gang's engines restart together, with the same settings)."""
         if self.is_behind(replica_id) and replica_id not in self.turns:
             self.turns[replica_id] = group_id
+            self.turn_versions[replica_id] = self.version
             self._turn_started[replica_id] = time.time()
 
-    def stop(self, replica_id: str, reason: str) -> None:
-        """The member's engine would not start with the new settings (it serves on the old
-        ones again): no further turns until the settings change."""
+    def stop(self, replica_id: str, reason: str, version: str | None = None) -> bool:
+        """The member's engine would not start with the settings of its turn (`version`; it
+        serves on the old ones again): no further turns until the settings change. A turn
+        for settings that are no longer the target only ends (False): the target may start."""
         self.turns.pop(replica_id, None)
+        turn_version = self.turn_versions.pop(replica_id, None)
         self._turn_started.pop(replica_id, None)
+        self._keep_settings()
+        if (version or turn_version or self.version) != self.version:
+            return False
         self.stopped = {"replica_id": replica_id, "reason": reason, "at": time.time()}
+        return True
 
     def progress(self, member_ids) -> dict:
         """{"version", "members", "done", "restarting", "stopped", "restarted"} over the
@@ -125,8 +162,8 @@ def take_turn(roll: InPlaceRoll, book: GenerationBook, replica_id: str, running:
         roll.forget(stale)
     if mode != "in_place" or not roll.is_behind(replica_id):
         return None, False
-    if replica_id in roll.turns:
-        return roll.version, False  # asked again before it reported: still its turn
+    if replica_id in roll.turns:  # asked again before it reported: still its turn
+        return roll.turn_version(replica_id) or roll.version, False
     group_id = book.whole_group_of(replica_id)
     if group_id is None or not roll.next_turn(replica_id, group_id, True, max_groups_at_once):
         return None, False

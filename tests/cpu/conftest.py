@@ -1,6 +1,7 @@
 """Fixtures shared by the CPU tests; `tests/` on sys.path, for test support code
 (`support.*`, also in the engine subprocesses some tests start: `SUPPORT_PATH`)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 SUPPORT_PATH = str(Path(__file__).resolve().parents[1])  # tests/
 if SUPPORT_PATH not in sys.path:
     sys.path.insert(0, SUPPORT_PATH)
+# Ray's workers (started by the Ray a test starts) import `support.*` too (the chaos harness).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [SUPPORT_PATH, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 @pytest.fixture(scope="module")

@@ -321,9 +321,10 @@ class Harness:
 
 
 def run_schedule(seed: int, shape: Shape, workdir: str, ingress, duration_s: float = 20.0,
-                 quiet_s: float = 180.0) -> Run:
-    """One schedule at `shape` on the running Ray: start every gang, play the faults, wait
-    for quiet, stop, check (`Run.violations`, `Run.figures`). `ingress`: an `Ingress`."""
+                 quiet_s: float = 180.0, events: list | None = None) -> Run:
+    """One schedule at `shape` on the running Ray: start every gang, play the faults (those
+    of `schedule(seed)`, or `events` as it returns them), wait for quiet, stop, check
+    (`Run.violations`, `Run.figures`). `ingress`: an `Ingress`."""
     name = f"chaos{seed}"
     run = Run(seed, shape, name, os.path.join(workdir, name, "store"))
     os.makedirs(os.path.dirname(run.store), mode=0o700, exist_ok=True)
@@ -336,7 +337,7 @@ def run_schedule(seed: int, shape: Shape, workdir: str, ingress, duration_s: flo
     if startup is not None:
         run.violations.append(f"never served at first: {startup}")
     started, rng = time.time(), random.Random(seed)
-    for at, event, group_pick, rank_pick in schedule(seed, duration_s):
+    for at, event, group_pick, rank_pick in events or schedule(seed, duration_s):
         while time.time() - started < at:
             harness.restart_lost_gangs()
             harness.status()
@@ -349,6 +350,11 @@ def run_schedule(seed: int, shape: Shape, workdir: str, ingress, duration_s: flo
     run.figures.update(ray.get(ingress.figures.remote(started)))
     stop(harness)
     run.violations += check(run)
+    if run.violations:  # what happened, for whoever replays the seed
+        path = os.path.join(workdir, f"{name}-events.json")
+        with open(path, "w") as f:
+            json.dump({"harness": run.harness, "events": run.events, "stops": run.stops}, f)
+        run.violations.append(f"events of seed {seed}: {path}")
     return run
 
 
@@ -377,8 +383,10 @@ def stop(harness: Harness) -> None:
                               f"{keys[0].decode()}")
 
 
-def _intervals(events: list[dict]) -> list[tuple[float, float, dict]]:
-    """(begin, end, the begin event) of every member's restart for a roll."""
+def _intervals(events: list[dict], harness: list) -> list[tuple[float, float, dict]]:
+    """(begin, end, the begin event) of every member's restart for a roll; one its gang's
+    stop cut short ends there."""
+    stopped = {h[3]: h[0] for h in harness if h[1] == "gang_stopped"}  # gang id -> when
     open_at, found = {}, []
     for e in sorted(events, key=lambda e: e["t"]):
         key = e["replica"]
@@ -388,14 +396,15 @@ def _intervals(events: list[dict]) -> list[tuple[float, float, dict]]:
             begin = open_at.pop(key)
             found.append((begin["t"], e["t"], begin))
     now = time.time()
-    found += [(e["t"], now, e) for e in open_at.values()]
+    found += [(e["t"], stopped.get(e["replica"].rsplit("-r", 1)[0], now), e)
+              for e in open_at.values()]
     return found
 
 
 def check(run: Run) -> list[str]:
     """The invariants (module doc) over what the members and the harness recorded."""
     violations = []
-    rolls = _intervals(run.events)
+    rolls = _intervals(run.events, run.harness)
     for begin, _, first in rolls:
         live = [(e["group"], e["dp_gang"]) for b, end, e in rolls if b <= begin < end]
         gangs_in_group = {g for grp, g in live if grp == first["group"]}
@@ -406,9 +415,13 @@ def check(run: Run) -> list[str]:
         if len(groups) > run.shape.max_groups_at_once:
             violations.append(f"{len(groups)} groups rolling at once (max "
                               f"{run.shape.max_groups_at_once}): {sorted(groups)}")
+        # A turn goes to a DP gang: a member that learns its peer's turn after the stop
+        # still restarts with it (its peer waits for it at the gang's barrier).
         version = first["reason"].split()[1]
-        if version in run.stops and begin > run.stops[version]:
-            violations.append(f"{first['replica']} restarted for settings {version} after "
+        turn_at = min(b for b, end, e in rolls if e["dp_gang"] == first["dp_gang"]
+                      and e["reason"] == first["reason"] and b <= begin < end or e is first)
+        if version in run.stops and turn_at > run.stops[version]:
+            violations.append(f"{first['dp_gang']} got a turn for settings {version} after "
                               "the roll of them stopped")
     generations: dict[str, set] = {}
     for e in run.events:

@@ -83,7 +83,7 @@ class SettingsRoll:
         server, restarts = self.server, self.server._restarts
         a, old_app, old_version = server._assignment, server._app, self.version
         name = f"{a['group_id']}-r{a['member_rank']}"
-        new_version, settings = await server._coordinator.member_settings.remote()
+        new_version, settings = await server._coordinator.member_settings.remote(version)
         if new_version == old_version:
             await server._coordinator.member_ready.remote(server._replica_id, None, old_version)
             return
@@ -110,7 +110,7 @@ class SettingsRoll:
                              "starting it again on settings %s", name, new_version, reason,
                              old_version)
                 await self._roll_back(old_app, old_version, name, reason, f"{epoch}-back",
-                                      rollout.in_place_timeout_s)
+                                      rollout.in_place_timeout_s, new_version)
                 return
             self.version = new_version
         finally:
@@ -125,7 +125,7 @@ class SettingsRoll:
                        ", ".join(f"{step} {s:.1f} s" for step, s in phases.items()))
 
     async def _roll_back(self, old_app, old_version: str, name: str, reason: str,
-                         dp_round: str, timeout_s: float) -> None:
+                         dp_round: str, timeout_s: float, new_version: str) -> None:
         """The engine on its old settings again, within `timeout_s` (past it the member is
         lost: Serve restarts the gang); the roll stops at this member (and its data-parallel
         gang, whose engines fail with it and start again with it)."""
@@ -146,7 +146,8 @@ class SettingsRoll:
             server._requests.draining = False
         self.version = old_version
         await server._coordinator.roll_failed.remote(
-            server._replica_id, f"engine {name} did not start with the new settings: {reason}")
+            server._replica_id, f"engine {name} did not start with the new settings: {reason}",
+            new_version)
         await restarts.serving_again(old_version)
 
     async def _gang_drained(self, epoch: int, drain_timeout_s: float) -> None:

@@ -413,8 +413,9 @@ def test_a_killed_coordinator_restarts_with_its_saved_state(ray_local, tmp_path)
     """kill -9 of the coordinator's process: Ray restarts it with the state it saved; a long
     poll in flight is answered at once with the same table (no wait for the members), targets
     and slots are back, a folder handed to no member is removed at once (its owners are known
-    gone: every folder handed out is in the saved state), the members' folders stay, rejoins
-    are taken, and a join after the restart continues the generation."""
+    gone: every folder handed out is in the saved state), the members' folders stay, also
+    that of a gang whose engine is still loading and which never rejoins, rejoins are taken,
+    and a join after the restart continues the generation."""
     import os
     import signal
 
@@ -423,8 +424,9 @@ def test_a_killed_coordinator_restarts_with_its_saved_state(ray_local, tmp_path)
 
     raw = _raw(tmp_path, "rebuild")
     raw["deployment"]["peer_group_size"] = 1
-    raw["serving"]["num_peer_groups"] = 2
-    coordinator = get_coordinator(raw, {"group-0": "a", "group-1": "b"}, "rebuild")
+    raw["serving"]["num_peer_groups"] = 3
+    coordinator = get_coordinator(raw, {"group-0": "a", "group-1": "b", "group-2": "c"},
+                                  "rebuild")
     assignments = {}
     for i in range(2):
         assignments[f"m{i}"] = ray.get(coordinator.join.remote(f"group-{i}", f"g{i}", 0, 1,
@@ -432,6 +434,8 @@ def test_a_killed_coordinator_restarts_with_its_saved_state(ray_local, tmp_path)
         ray.get(coordinator.register_target.remote(f"m{i}", f"127.0.0.1:9{i}", {}))
         assert ray.get(coordinator.metrics_slot.remote(f"m{i}", "node-a")) == i
         ray.get(coordinator.member_ready.remote(f"m{i}"))
+    # group-2's gang is starting: its engine loads (minutes for DeepSeek), it cannot rejoin.
+    loading = ray.get(coordinator.join.remote("group-2", "g2", 0, 1, "m2"))
     version, before = ray.get(coordinator.routing.remote())
     incarnation = ray.get(coordinator.member_check.remote())["incarnation"]
     assert assignments["m0"]["incarnation"] == incarnation
@@ -444,18 +448,24 @@ def test_a_killed_coordinator_restarts_with_its_saved_state(ray_local, tmp_path)
     assert after == before and new_version > version
     assert ray.get(coordinator.member_check.remote())["incarnation"] != incarnation
     assert not stale.exists()
-    assert all(Path(a["store_dir"]).is_dir() for a in assignments.values())
+    assert all(Path(a["store_dir"]).is_dir() for a in [*assignments.values(), loading])
+    assert ray.get(coordinator.status.remote())["group-2"]["generation"] == \
+        loading["generation"]  # known without its rejoin
+    assert ray.get(coordinator.member_ready.remote("m2")) is None
+    assert ray.get(coordinator.routing.remote())[1]["group-2"]["serving"]
     targets = {t for g in ray.get(coordinator.target_groups.remote()) for t in g["targets"]
                if g["labels"].get("endpoint") != "coordinator"}  # its own: a new one
     assert targets == {"127.0.0.1:90", "127.0.0.1:91"}
     assert ray.get(coordinator.metrics_slot.remote("m1", "node-a")) == 1  # kept
     for replica_id, a in assignments.items():
         assert ray.get(coordinator.rejoin.remote(_member_record(a, replica_id)))
-    assert ray.get(coordinator.routing.remote())[1] == before
+    assert {g: r for g, r in ray.get(coordinator.routing.remote())[1].items()
+            if g != "group-2"} == {g: r for g, r in before.items() if g != "group-2"}
     again = ray.get(coordinator.join.remote("group-0", "g0", 0, 1, "m0"))
     assert again["generation"] == assignments["m0"]["generation"]
     ray.get(coordinator.shutdown.remote())
     assert not Path(assignments["m0"]["store_dir"]).exists()
+    assert not Path(loading["store_dir"]).exists()
     ray.kill(coordinator)
 
 
@@ -669,3 +679,30 @@ def test_a_build_whose_check_fails_makes_and_changes_no_coordinator(ray_local, t
         assert checks == []
     finally:
         ray.kill(coordinator)
+
+
+def test_chaos_at_the_shipped_shape_keeps_every_invariant(ray_local, tmp_path):
+    """The chaos harness (`support.chaos`) at 9 groups of 8 members (DEP2) with 32 ingress
+    polls, on one schedule that puts every fault where it hurts: an in-place roll, the
+    coordinator killed mid-roll, engine kills (one whose restart hangs past
+    in_place_timeout_s), a refused deploy, settings that will not start, the coordinator
+    killed after the roll stopped, a gang's process killed, a deploy back to good settings.
+    The full count of random schedules is `benchmarks/bench_chaos.py`."""
+    from support.chaos import Ingress, Shape, run_schedule
+
+    ray = ray_local
+    shape = Shape()
+    ingress = Ingress.remote(shape.num_ingress)
+    events = [(0.0, "deploy", 0, 0), (2.5, "coordinator_kill", 0, 0),
+              (4.0, "engine_kill", 5, 3), (5.0, "hang", 7, 6), (6.0, "refused", 0, 0),
+              (10.0, "will_not_start", 0, 0), (16.0, "coordinator_kill", 0, 0),
+              (17.0, "replica_kill", 2, 0), (18.0, "deploy", 0, 0)]
+    run = run_schedule(7, shape, str(tmp_path), ingress, events=events)
+    ray.kill(ingress)
+    assert run.violations == []
+    rolled = {e["replica"] for e in run.events if e["kind"] == "restarting"
+              and e["reason"].startswith("settings ")}
+    assert len(rolled) >= shape.dp_size  # the roll ran (and went on after the kill)
+    assert len(run.figures["coordinator_back_s"]) == 2
+    assert any(h[1] == "refused" for h in run.harness)
+    assert run.stops  # the will-not-start settings stopped the roll

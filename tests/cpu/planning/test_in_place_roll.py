@@ -138,3 +138,30 @@ def test_take_turn_drops_the_turn_of_a_gang_that_is_gone(tmp_path):
         roll.running(f"n{r}", "v2")  # a new gang starts on the coordinator's settings
     assert take_turn(roll, book, "n0", "v2", "in_place", 1) == (None, False)
     assert roll.turns == {}  # the old gang's turn went with it
+
+
+def test_a_dp_gang_restarts_with_the_settings_of_its_turn_across_a_deploy(tmp_path):
+    """A deploy lands between a member's turn and its DP peer's check (seen in the chaos
+    harness: the peers fetched two settings, their DP group never formed, the gang was
+    lost): the peer gets the turn's version and its settings; a failure of those settings
+    ends the turn without stopping the roll of the new target, which then goes on."""
+    from engram_ray.planning.in_place_roll import take_turn
+
+    book = _dp_book(tmp_path, num_groups=1)
+    roll = InPlaceRoll("v1", {"v": 1})
+    for rid in book.member_ids():
+        roll.running(rid, "v1")
+    roll.set_target("v2", {"v": 2})
+    assert take_turn(roll, book, "g0m0", "v1", "in_place", 1)[0] == "v2"
+    roll.set_target("v3", {"v": 3})  # deployed while g0m0's gang restarts for v2
+    assert take_turn(roll, book, "g0m1", "v1", "in_place", 1)[0] == "v2"
+    assert roll.settings_for("v2") == ("v2", {"v": 2})
+    assert roll.settings_for(None) == ("v3", {"v": 3})
+    assert not roll.stop("g0m0", "v2 will not start", "v2")  # not the target: no stop
+    roll.running("g0m0", "v1")
+    roll.running("g0m1", "v1")
+    for rid in ("g0m0", "g0m1"):
+        book.member_ready(rid)
+    assert roll.stopped is None and set(roll.settings) == {"v3"}
+    assert take_turn(roll, book, "g0m0", "v1", "in_place", 1)[0] == "v3"
+    assert roll.stop("g0m0", "v3 will not start", "v3") and roll.stopped is not None
