@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 from engram_ray.errors import EngramRayError
 
@@ -47,7 +48,29 @@ class MemberRequests:
         except BaseException:
             self.in_flight -= 1
             raise
-        return _Counted(tag_generation(stream, generation, version), self)
+        return self._until_done(tag_generation(stream, generation, version))
+
+    def _until_done(self, stream):
+        """The stream as an async generator (what Serve streams), counted until it ends,
+        fails or is cancelled, or is dropped unstarted: an async generator closed before its
+        first item runs no `finally` (the count stayed at 1 and every later drain waited its
+        full `drain_timeout_s`), so its collection ends the count too."""
+        ended = []
+
+        def end():
+            if not ended:
+                ended.append(True)
+                self.in_flight -= 1
+
+        async def counted():
+            try:
+                async for item in stream:
+                    yield item
+            finally:
+                end()
+        gen = counted()
+        weakref.finalize(gen, end)
+        return gen
 
     async def drain(self, timeout_s: float) -> tuple[int, bool]:
         """Refuse new requests, then wait until the running ones end: (how many ran when
@@ -58,36 +81,3 @@ class MemberRequests:
             await asyncio.sleep(DRAIN_POLL_S)
         return running, not self.in_flight
 
-
-class _Counted:
-    """A request's stream, counted in its member's `in_flight` until it ends, fails, or is
-    closed or dropped, also before its first item (an async generator closed before it
-    started runs no `finally`: the count stayed at 1 and every later drain waited its full
-    `drain_timeout_s`)."""
-
-    def __init__(self, stream, requests: MemberRequests):
-        self._stream, self._requests, self._ended = stream, requests, False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        try:
-            return await self._stream.__anext__()
-        except BaseException:  # StopAsyncIteration, a failure, or a cancel: it ended
-            self._end()
-            raise
-
-    async def aclose(self) -> None:
-        self._end()
-        close = getattr(self._stream, "aclose", None)
-        if close is not None:
-            await close()
-
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._requests.in_flight -= 1
-
-    def __del__(self):
-        self._end()

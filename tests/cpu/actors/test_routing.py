@@ -706,3 +706,67 @@ def test_chaos_at_the_shipped_shape_keeps_every_invariant(ray_local, tmp_path):
     assert len(run.figures["coordinator_back_s"]) == 2
     assert any(h[1] == "refused" for h in run.harness)
     assert run.stops  # the will-not-start settings stopped the roll
+
+
+def test_the_dp_round_keys_of_an_ended_gang_are_removed(ray_local, tmp_path):
+    """A DP gang's master and barrier keys (every restart round leaves some: a failed roll's,
+    a gang restarted whole) go once the coordinator knows its gang gone: its generation
+    ended when the next gang of the group joined, or the application stopped."""
+    from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
+
+    from engram_ray.actors.coordinator_lookup import get_coordinator
+    from engram_ray.serve.member.dp_gang import BARRIER_PREFIX, MASTER_PREFIX, dp_gang_id
+
+    ray = ray_local
+    raw = _raw(tmp_path, "dpkeys")
+    raw["deployment"]["peer_group_size"], raw["serving"]["num_peer_groups"] = 2, 1
+    raw["serving"]["data_parallel_size"] = 2
+    coordinator = get_coordinator(raw, {"group-0": "a"}, "dpkeys")
+
+    def keys(gang):
+        return [k for prefix in (BARRIER_PREFIX, MASTER_PREFIX)
+                for k in _internal_kv_list(f"{prefix}{gang}-dp".encode())]
+
+    for gang in ("old", "new"):
+        for r in range(2):
+            ray.get(coordinator.join.remote("group-0", gang, r, 2, f"{gang}{r}"))
+        for suffix in ("", "@3", "@3-back"):
+            _internal_kv_put(f"{MASTER_PREFIX}{dp_gang_id(gang, 0)}{suffix}".encode(), b"x")
+        _internal_kv_put(f"{BARRIER_PREFIX}{dp_gang_id(gang, 0)}@3/1".encode(), b"1")
+    deadline = time.monotonic() + 10
+    while keys("old") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert keys("old") == [] and len(keys("new")) == 4  # "new" serves on
+    ray.get(coordinator.shutdown.remote())
+    assert keys("new") == []
+    ray.kill(coordinator)
+
+
+def test_a_coordinator_whose_application_was_never_seen_ends_with_serve(ray_local, tmp_path):
+    """Every group's build failed (no engine deployment of its deployment ever listed), then
+    `serve shutdown`: the coordinator it left ends, taking its store folder (before, it
+    stayed for the life of the cluster). Last in this module: it stops Serve."""
+    from ray import serve
+
+    from engram_ray.actors.coordinator_lookup import find_coordinator, get_coordinator
+    from engram_ray.actors.lifetime import APP_CHECK_S
+
+    ray = ray_local
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    raw = _raw(tmp_path, "unseen")
+    raw["deployment"]["peer_group_size"], raw["serving"]["num_peer_groups"] = 1, 1
+    coordinator = get_coordinator(raw, {"group-0": "a"}, "unseen")
+    store = Path(ray.get(coordinator.join.remote("group-0", "g", 0, 1, "m0"))["store_dir"])
+    time.sleep(APP_CHECK_S + 1)  # its watch saw Serve running, and no application of its own
+    assert find_coordinator("unseen") is not None
+    serve.shutdown()
+    deadline = time.monotonic() + 3 * APP_CHECK_S
+    while time.monotonic() < deadline:
+        try:
+            find_coordinator("unseen")
+        except ValueError:
+            break
+        time.sleep(0.2)
+    with pytest.raises(ValueError):
+        find_coordinator("unseen")
+    assert not store.exists()

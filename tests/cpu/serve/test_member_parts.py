@@ -102,9 +102,11 @@ def test_a_drain_refuses_new_requests_and_waits_for_the_running_ones():
 
 
 def test_a_stream_closed_or_dropped_before_its_first_item_is_no_longer_counted():
-    """A client gone before the first token: the stream is closed (or dropped) unread; the
-    member's count falls back to 0, so the next drain does not wait for it."""
+    """A client gone before the first token: Serve closes (or drops) the stream unread; the
+    member's count falls back to 0 once it is gone, so the next drain does not wait for it.
+    The stream stays an async generator (Serve streams nothing else)."""
     import gc
+    import inspect
 
     requests = MemberRequests()
 
@@ -115,14 +117,21 @@ def test_a_stream_closed_or_dropped_before_its_first_item_is_no_longer_counted()
 
     async def run():
         stream = await requests.counted(call, {}, None, "local-group-0.1", "v1")
-        assert requests.in_flight == 1
+        assert inspect.isasyncgen(stream) and requests.in_flight == 1
         await stream.aclose()
+        await stream.aclose()
+        del stream
+        gc.collect()
         assert requests.in_flight == 0
-        await stream.aclose()  # twice: counted once
         dropped = await requests.counted(call, {}, None, "local-group-0.1", "v1")
         assert requests.in_flight == 1
         del dropped
         gc.collect()
         assert requests.in_flight == 0
+        read = await requests.counted(call, {}, None, "local-group-0.1", "v1")
+        assert [chunk async for chunk in read] and requests.in_flight == 0
+        del read
+        gc.collect()
+        assert requests.in_flight == 0  # counted down once
         assert await requests.drain(5.0) == (0, True)
     asyncio.run(run())

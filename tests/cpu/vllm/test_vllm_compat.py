@@ -189,3 +189,14 @@ def test_an_unsupported_vllm_stops_the_patch_with_one_line(monkeypatch, tmp_path
     assert "\n" not in message and message.startswith("vllm 0.35.0 is not supported")
     assert 'pip install "engram-ray[gpu]"' in message
     assert module.ParallelEngramEmbedding is original
+
+
+def test_the_dp_master_keys_the_coordinator_removes_are_ray_serve_llms():
+    """`dp_gang.MASTER_PREFIX` spells out Ray Serve LLM's key prefix (the coordinator removes
+    an ended gang's keys without importing vLLM)."""
+    from ray.llm._internal.serve.serving_patterns.data_parallel.dp_server import (
+        GangMasterInfoRegistry)
+
+    from engram_ray.serve.member.dp_gang import MASTER_PREFIX
+
+    assert GangMasterInfoRegistry._KEY_PREFIX == MASTER_PREFIX
