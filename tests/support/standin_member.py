@@ -21,6 +21,8 @@ import time
 
 import ray
 
+from engram_ray.serve.member.engine import MemberEngine
+
 WILL_NOT_START = 999  # max_model_len % 1000 of settings the stand-in engine refuses
 
 
@@ -52,13 +54,14 @@ class _Holder:
     is_full, held_bytes = True, 0
 
 
-class StandInEngine:
-    """`MemberEngine`'s interface as the parts call it."""
+class StandInEngine(MemberEngine):
+    """`MemberEngine` with the vLLM engine replaced: its death watch (start, stop) is the
+    real one; start, restart, death and settings are the stand-in's."""
 
     def __init__(self, member: "StandInMember", start_s: float):
+        super().__init__(member)
         self.member, self.start_s = member, start_s
-        self.alive, self.hang_next, self.death = False, False, None
-        self._watch_task: asyncio.Task | None = None
+        self.alive, self.hang_next = False, False
 
     def set_kwargs(self, app) -> None:
         self.member._app = app
@@ -98,16 +101,6 @@ class StandInEngine:
 
     def find_death(self, phase: str):
         return self.death
-
-    def start_watching(self) -> None:
-        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
-
-    def stop_watching(self) -> None:
-        if self.is_watched():
-            self._watch_task.cancel()
-
-    def is_watched(self) -> bool:
-        return self._watch_task is not None and not self._watch_task.done()
 
     async def _watch(self) -> None:
         while self.alive:
