@@ -97,6 +97,7 @@ class Coordinator:
             state = None
         self.made_with = (app_config_dict, domains)
         self.config = config = ServeAppConfig.from_dict(app_config_dict, "coordinator")
+        self._rollout = config.serving.rollout.to_dict()
         self.deployment_name = config.deployment.name
         self.incarnation = secrets.token_hex(4)
         self.book = GenerationBook(config.deployment, load_layout(config.deployment.model),
@@ -195,7 +196,9 @@ class Coordinator:
         settings version its engine restarts with now, or None), "restart_epoch" (the number
         of the restart in place it is part of now, or None)}; `in_flight`: the requests the
         member runs, counted once it `knows_retired`; `config_version`: its engine's
-        settings. Asked by every member every second: no wait, a save only on a turn."""
+        settings; "rollout": `serving.rollout` as deployed now (a change of it reaches the
+        restarts, DP waits and takeovers of running members). Asked by every member every
+        second: no wait, a save only on a turn."""
         is_retired = replica_id is not None and self.book.is_retired(replica_id)
         if is_retired and knows_retired and in_flight is not None:
             self.book.report_in_flight(replica_id, in_flight)
@@ -212,7 +215,8 @@ class Coordinator:
                 self._changed(routing)
         restart_epoch = self.book.restart_epoch(replica_id) if replica_id else None
         return {"incarnation": self.incarnation, "retired": is_retired,
-                "restart_for": restart_for, "restart_epoch": restart_epoch}
+                "restart_for": restart_for, "restart_epoch": restart_epoch,
+                "rollout": self._rollout}
 
     async def join(self, group_id: str, gang_id: str, rank: int, world_size: int,
                    replica_id: str, node_labels: dict | None = None) -> dict:
@@ -358,6 +362,7 @@ class Coordinator:
                            self.deployment_name, self.roll.version)
         self.book.reconfigure(config.deployment, domains)
         self.config, self.made_with = config, (app_config_dict, domains)
+        self._rollout = config.serving.rollout.to_dict()
         self.metric_targets.targets_file = config.serving.prometheus_targets_file
         self._changed()
         logger.warning("engram-ray: coordinator %s reconfigured: groups %s", self.deployment_name,

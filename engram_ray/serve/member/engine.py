@@ -172,8 +172,10 @@ class MemberEngine:
             return
         from engram_ray.serve.member.dp_gang import meet_dp_master
 
+        from engram_ray.serve.member.link import current_rollout
+
         address, port = await meet_dp_master(f"{server.gang_id}@{dp_round}", server.dp_rank,
-                                              server._app.serving.rollout.in_place_timeout_s)
+                                              current_rollout(server).in_place_timeout_s)
         self.own_kwargs.update(data_parallel_address=address, data_parallel_rpc_port=port)
         self.set_kwargs(server._app)
 

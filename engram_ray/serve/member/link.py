@@ -19,6 +19,13 @@ from engram_ray.serve.member.processes import own_actor
 logger = logging.getLogger("ray.serve")
 
 
+def current_rollout(server):
+    """`serving.rollout` as the coordinator holds it now (a `serve deploy` of it changes the
+    front door only: running members learn it at their next check), else the member's own."""
+    link = getattr(server, "_link", None)
+    return (link.rollout if link is not None else None) or server._app.serving.rollout
+
+
 class CoordinatorLink:
     """`server`'s link to its coordinator (`server._coordinator`, `_replica_id`,
     `_assignment`); a `member_check` answer goes to its parts (`_roll`, `_restarts`,
@@ -32,6 +39,8 @@ class CoordinatorLink:
         self._incarnation = None
         self._targets: dict[str, dict] = {}
         self._running_told = False           # the coordinator knows Serve runs this member
+        self.rollout = None                  # `serving.rollout` as the coordinator has it now
+        self._rollout_seen: dict | None = None
         self._task: asyncio.Task | None = None
         self._running_task: asyncio.Task | None = None
 
@@ -99,8 +108,14 @@ class CoordinatorLink:
                 "node_id": server._node_id}
 
     def _take_answer(self, answer: dict) -> None:
-        """A `member_check` answer: a roll's turn, its DP gang's restart, retirement."""
+        """A `member_check` answer: a roll's turn, its DP gang's restart, retirement, the
+        rollout settings."""
         requests = self.server._requests
+        if answer.get("rollout") is not None and answer["rollout"] != self._rollout_seen:
+            from engram_ray.serve.settings.config import RolloutConfig
+
+            self.rollout = RolloutConfig.from_dict(answer["rollout"], "the coordinator's rollout")
+            self._rollout_seen = answer["rollout"]
         if answer.get("restart_for"):
             self.server._roll.on_turn(answer["restart_for"], answer.get("restart_epoch"))
         elif answer.get("restart_epoch"):  # another engine of its DP gang died

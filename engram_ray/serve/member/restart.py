@@ -32,6 +32,7 @@ import asyncio
 import logging
 import time
 
+from engram_ray.serve.member.link import current_rollout
 from engram_ray.serve.member.processes import own_actor
 
 logger = logging.getLogger("ray.serve")
@@ -98,7 +99,7 @@ class InPlaceRestart:
             self.dp_epoch = epoch
             started, a = time.monotonic(), server._assignment
             self.note(reason)  # the group serves on: engram_group_healthy stays 1
-            deadline_s = server._app.serving.rollout.in_place_timeout_s
+            deadline_s = current_rollout(server).in_place_timeout_s
             try:  # a restart that hangs is given up: the member is lost, the gang restarts
                 phases = await asyncio.wait_for(server._member_engine.restart(str(epoch)),
                                                 deadline_s)

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 
+from engram_ray.serve.member.link import current_rollout
 from engram_ray.serve.member.processes import own_actor
 from engram_ray.serve.member.restart import restart_failure
 
@@ -78,8 +79,6 @@ class SettingsRoll:
                                                       self.version)
 
     async def _roll(self, version: str, epoch: int) -> None:
-        from engram_ray.serve.settings.config import ServeAppConfig
-
         server, restarts = self.server, self.server._restarts
         a, old_app, old_version = server._assignment, server._app, self.version
         name = f"{a['group_id']}-r{a['member_rank']}"
@@ -88,8 +87,7 @@ class SettingsRoll:
             await server._coordinator.member_ready.remote(server._replica_id, None, old_version)
             return
         new_app = self.app_with(settings)
-        # The front door's own settings (the rollout's) are the coordinator's current ones.
-        rollout = ServeAppConfig.from_dict(settings, "coordinator").serving.rollout
+        rollout = current_rollout(server)  # the front door's, as deployed now
         restarts.is_restarting = True  # health checks pass while it drains and restarts
         restarts.note(f"settings {new_version} rolling out")
         started = time.monotonic()

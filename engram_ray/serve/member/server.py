@@ -48,7 +48,7 @@ from engram_ray.serve.member.engine import MemberEngine
 from engram_ray.serve.member.engine_death import EngineDiedError, EngineWatch
 from engram_ray.serve.member.engine_shm import recording_segments, release_leftovers
 from engram_ray.serve.member.kv_cache import engine_capacity
-from engram_ray.serve.member.link import CoordinatorLink
+from engram_ray.serve.member.link import CoordinatorLink, current_rollout
 from engram_ray.serve.member.processes import end_engine, own_actor
 from engram_ray.serve.member.requests import MemberRequests
 from engram_ray.serve.member.restart import InPlaceRestart
@@ -129,8 +129,8 @@ class EngramServerMixin:
             # Watched from here: a member of a gang started beside a serving one whose engine
             # dies before the takeover breaks that gang (the serving one goes on).
             self._member_engine.start_watching()
-            await self._link.take_over_when_drained(app.serving.rollout.drain_timeout_s
-                                                    + 2 * app.deployment.rendezvous_timeout_s)
+            await self._link.take_over_when_drained(
+                current_rollout(self).drain_timeout_s + 2 * app.deployment.rendezvous_timeout_s)
             self._link.start_returned = True
         except BaseException as exc:
             logger.error("engram-ray: replica failed to start: %s: %s", type(exc).__name__, exc)

@@ -135,3 +135,18 @@ def test_a_stream_closed_or_dropped_before_its_first_item_is_no_longer_counted()
         assert requests.in_flight == 0  # counted down once
         assert await requests.drain(5.0) == (0, True)
     asyncio.run(run())
+
+
+def test_a_changed_rollout_reaches_a_running_member_at_its_next_check():
+    """`serve deploy` of `serving.rollout` alone changes the front door and the coordinator,
+    not the members' args: a running member takes it from its next `member_check` answer
+    for its restarts' deadlines, its DP gang's waits and its takeover."""
+    from engram_ray.serve.member.link import current_rollout
+
+    server = _Server()
+    server._link._take_answer(_answer(rollout={"in_place_timeout_s": 42.0,
+                                                "drain_timeout_s": 3.0}))
+    rollout = current_rollout(server)
+    assert (rollout.in_place_timeout_s, rollout.drain_timeout_s) == (42.0, 3.0)
+    with pytest.raises(Exception, match="in_place_timeout_s"):
+        server._link._take_answer(_answer(rollout={"in_place_timeout_s": -1}))
