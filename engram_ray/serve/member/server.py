@@ -30,6 +30,7 @@ coordinator pings every member's actor; the ingress routes by what the coordinat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ APP_CONFIG_KEY = "engram_app"
 GROUP_KEY = "engram_group"  # {"group_id", "domain_id"} of the group deployment
 # Failed health checks in a row after which Serve restarts a replica (and so its gang).
 FAILED_CHECKS_TO_RESTART = REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
+LEAVE_TIMEOUT_S = 5.0  # how long a stopping or failed replica waits to tell the coordinator
 logger = logging.getLogger("ray.serve")
 
 
@@ -88,8 +90,6 @@ class EngramServerMixin:
         self._roll = SettingsRoll(self)
 
     async def start(self):
-        import asyncio
-
         from engram_ray.actors.coordinator_lookup import find_coordinator
         from engram_ray.serve.settings.config import ServeAppConfig
         from engram_ray.serve.settings.engine_args import engine_kwargs
@@ -302,19 +302,26 @@ class EngramServerMixin:
         if server is not None:
             server.stop()
             self._metrics_server = None
-        try:
-            await self._coordinator.leave.remote(self._replica_id)
-        except Exception:  # coordinator gone with the application: nothing to tell
+        try:  # a coordinator restarting answers within seconds; none: nothing to tell
+            await asyncio.wait_for(self._coordinator.leave.remote(self._replica_id),
+                                   LEAVE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - its watch finds this replica gone anyway
             pass
 
     async def __del__(self):
-        if getattr(self, "_coordinator", None) is not None:
-            await self._leave()
+        """Serve stops the replica (its requests drained): the engine first, within Serve's
+        graceful shutdown, then the coordinator told (at most `LEAVE_TIMEOUT_S`). Told first,
+        a coordinator restarting held the stop past Serve's 20 s and orphaned the engine."""
+        link = getattr(self, "_link", None)
+        if link is not None:
+            link.stop()
         try:
             await super().__del__()
         finally:  # Serve's own stop leaves the engine running
             engine = getattr(self, "_member_engine", None)
             end_engine(engine and engine.client, engine and engine.processes)
+            if getattr(self, "_coordinator", None) is not None:
+                await self._leave()
 
 
 def _remove_if_empty(folder: str) -> None:

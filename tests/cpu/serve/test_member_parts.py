@@ -150,3 +150,23 @@ def test_a_changed_rollout_reaches_a_running_member_at_its_next_check():
     assert (rollout.in_place_timeout_s, rollout.drain_timeout_s) == (42.0, 3.0)
     with pytest.raises(Exception, match="in_place_timeout_s"):
         server._link._take_answer(_answer(rollout={"in_place_timeout_s": -1}))
+
+
+def test_a_stopping_member_tells_the_coordinator_within_its_bound(monkeypatch):
+    """A replica that stops or failed to start tells the coordinator it leaves, for at most
+    `LEAVE_TIMEOUT_S` (its watch finds the replica gone anyway): a coordinator that does not
+    answer no longer holds the stop past Serve's graceful shutdown."""
+    import time
+
+    from engram_ray.serve.member import server as member_server
+
+    class _Never:
+        def remote(self, *args):
+            return asyncio.sleep(3600)
+
+    server = _Server()
+    server._coordinator = type("C", (), {"leave": _Never()})()
+    monkeypatch.setattr(member_server, "LEAVE_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    asyncio.run(member_server.EngramServerMixin._leave(server))
+    assert time.monotonic() - started < 5.0
