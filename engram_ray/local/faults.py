@@ -9,7 +9,7 @@ deployment (`engram_ray.local.deployment.LocalDeployment`, this process its Ray 
 An engine kill ("engine_core", "worker") restarts that member's engine in place, in its
 generation (`engram_ray.serve.member.restart`); a replica kill restarts the group's whole gang
 in a new generation; a coordinator kill (its process, kill -9) restarts the coordinator, which
-rebuilds its groups from the members (`actors/lifetime.py`) while every group serves on:
+restores its saved state (`actors/lifetime.py`) while every group serves on:
 `recovered_s` is then when it answered again with every group as before. Per kill: requests sent, lost silently (must be 0), failed visibly,
 `running_at_kill_failed` (failures of requests sent before the kill was detected: those the
 dead engine had taken, including any sent in the fraction of a second between the kill and the
@@ -34,7 +34,7 @@ from engram_ray.local.loadgen import FAILED, LOST, RequestResult, Traffic
 
 ENGINE_KINDS = ("engine_core", "worker")   # restarted in place, same generation
 KILL_KINDS = ENGINE_KINDS + ("replica",    # a replica: its whole gang, a new generation
-                              "coordinator")  # restarts, rebuilt from the members
+                              "coordinator")  # restarts with its saved state
 
 
 def replica_actors(group_id: str) -> list:

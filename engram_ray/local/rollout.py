@@ -34,7 +34,7 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
     (0 is the target), seconds until each group had rolled and until all had (`rolled_s`),
     whether each group kept its generation, the members' restarts, and the answers compared
     with `reference`. `during(statuses)`, if given, is called at every poll with each group's
-    coordinator status (a fault injected mid-roll: `coordinator_kill_when_starting`)."""
+    coordinator status (a fault injected mid-roll: `coordinator_kill_when`)."""
     name = deployment.config.deployment.name
     before = {g: r["generation"] for g, r in routing(name).items()}
     old_version = roll_status(name)["version"]
@@ -71,11 +71,12 @@ def roll_under_load(deployment, traffic: Traffic, changes: dict, settle_s: float
             **_clients_saw(traffic, first, done_at, settle_s, reference)}
 
 
-def coordinator_kill_when_starting(deployment_name: str):
+def coordinator_kill_when(deployment_name: str, moment: str):
     """A `during` for `roll_under_load` and `scale_under_load`: kill -9 of the coordinator's
-    process, once, the first time a gang has joined and is starting: beside a group's serving
-    one (`beside`), or a group's first (a group added); `.killed_at` (time.time()) says when,
-    None if it never was."""
+    process, once, the first time its groups show `moment`: "starting" (a gang has joined and
+    is starting: beside a group's serving one, or a group's first: a group added) or
+    "restarting" (a member restarts its engine in place: an in-place roll's turn); `.killed_at`
+    (time.time()) says when, None if it never was."""
     import os
     import signal
 
@@ -85,8 +86,13 @@ def coordinator_kill_when_starting(deployment_name: str):
         return status["starting"] is not None or (
             status["generation"] is not None and len(status["ready_at"]) < len(status["members"]))
 
+    def restarting(status: dict) -> bool:
+        return bool(status["restarting"])
+
+    seen = {"starting": starting, "restarting": restarting}[moment]
+
     def during(statuses: dict) -> None:
-        if during.killed_at is None and any(starting(s) for s in statuses.values()):
+        if during.killed_at is None and any(seen(s) for s in statuses.values()):
             os.kill(coordinator_pid(deployment_name), signal.SIGKILL)
             during.killed_at = time.time()
     during.killed_at = None

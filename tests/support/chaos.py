@@ -19,6 +19,7 @@ its reason) and every group serve. Invariants (`check`), each a line in `violati
 
     never two DP gangs of one group restarting for a roll at once
     never more than `max_groups_at_once` groups with a member restarting for a roll
+    as many turns as DP gangs: none restarts twice for the same settings
     a roll stopped for settings v gives no turn for v after its stop
     one generation per gang; a gang restarted only by the harness (a kill or a lost member)
     a member lost only where a fault was put (a hung start in its DP gang)
@@ -423,6 +424,18 @@ def check(run: Run) -> list[str]:
         if version in run.stops and turn_at > run.stops[version]:
             violations.append(f"{first['dp_gang']} got a turn for settings {version} after "
                               "the roll of them stopped")
+    # As many turns as DP gangs: none restarts twice for the same settings (a coordinator
+    # restarted mid-roll that forgot a turn gave it again). The members of one turn overlap:
+    # each waits at its gang's barrier for the others.
+    turns: dict[tuple, list] = {}
+    for begin, end, first in sorted(rolls, key=lambda r: r[0]):
+        spans = turns.setdefault((first["dp_gang"], first["reason"]), [])
+        if spans and begin <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([begin, end])
+    violations += [f"{gang} restarted {len(spans)} times for {reason}"
+                   for (gang, reason), spans in turns.items() if len(spans) > 1]
     generations: dict[str, set] = {}
     for e in run.events:
         if e["kind"] == "joined":

@@ -7,7 +7,8 @@ as served only if its client saw it complete.
   with its DP group), same generation, slices re-attached, on a new DP master; the group's
   other gang answers every request sent until the pair serves again; answers token-identical.
 - `serve deploy` of a changed engine setting (`serving.rollout.mode: in_place`): the gangs
-  restart in place with it one DP gang at a time; not one request fails.
+  restart in place with it one DP gang at a time, through a coordinator killed (kill -9) as
+  the first gang restarts; not one request fails, no gang restarts whole.
 """
 
 import time
@@ -66,18 +67,25 @@ def test_an_engine_kill_restarts_its_dp_gang_in_place_while_the_other_gang_answe
     assert {r["epoch"] for r in status["restarts"]} == {1}
 
 
-def test_an_engine_setting_rolls_in_place_one_dp_gang_at_a_time(deployment):
+def test_an_engine_setting_rolls_in_place_one_dp_gang_at_a_time_through_a_coordinator_kill(
+        deployment):
+    """The coordinator is killed (kill -9) as the first DP gang restarts for the roll: the
+    restarted one keeps that gang's turn and restart number (one DP master for both engines),
+    gives the other gang its turn only after, and the roll ends with 4 restarts, no gang
+    restarted whole, not one request failed."""
     from engram_ray.local.faults import reference_answers
-    from engram_ray.local.rollout import roll_under_load
+    from engram_ray.local.rollout import coordinator_kill_when, roll_under_load
 
+    kill = coordinator_kill_when(NAME, "restarting")
     traffic = _traffic(deployment)
     try:
         time.sleep(3.0)
         roll = roll_under_load(deployment, traffic, {"serving": {"engine_kwargs": {
-            "max_num_seqs": 96}}}, reference=reference_answers(traffic.results))
+            "max_num_seqs": 96}}}, reference=reference_answers(traffic.results), during=kill)
     finally:
         results = traffic.stop()
     print(roll)
+    assert kill.killed_at is not None
     assert roll["stopped"] is None and roll["same_generation"] == {"group-0": True}, roll
     restarted = roll["member_restarts"]
     assert len(restarted) == 4, roll
