@@ -3,7 +3,7 @@
 A real coordinator (`get_coordinator`, as `serve deploy`'s build makes it) with 9 groups of 8
 members (DEP2) joined and ready, their replica actor answering its pings; 72 members each
 sending `member_check` once a second (as `CoordinatorLink` does); N ingress long polls
-(`routing`, re-polled at once as `GroupRouting` does), and a routing change every 2 s (a
+(`routing`, re-polled at once as `GroupRouting` does), and a routing change every second (a
 member restarting, then ready). Per N: `member_check` round trips (p50, p99, max), how long
 after a change every poll had it, and the coordinator process's CPU. The baseline is the
 coordinator of another commit (a git worktree of it), run the same way in its own Ray.
@@ -71,12 +71,15 @@ def measure(polls: list[int], workdir: str) -> dict:
         cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
         changes, started = [], time.monotonic()
         while time.monotonic() - started < WINDOW_S:
+            # A change's time is taken just before the call that makes it: every poll
+            # answer after it is that change's (the one before is 1 s older).
             member = members[len(changes) % len(members)]
+            changes.append(time.time())
             ray.get(coordinator.member_restarting.remote(member, "bench"))
+            time.sleep(1.0)
             changes.append(time.time())
             ray.get(coordinator.member_ready.remote(member, replica))
-            changes.append(time.time())
-            time.sleep(2.0)
+            time.sleep(1.0)
         cpu = (sum(proc.cpu_times()[:2]) - cpu0) / (time.monotonic() - t0)
         figures = ray.get(load.stop.remote(changes))
         rows.append({"polls": num_polls, "coordinator_cpu": round(cpu, 3), **figures})
@@ -169,7 +172,7 @@ def report(env: dict, baseline: str, results: dict) -> str:
     lines = [f"# The coordinator at 9 x 8 members (DEP2) under N ingress long polls",
              "", f"Device {env['device']}; date {env['date']}; commit {env['commit']}; "
              f"baseline {baseline} (a worktree of it, run the same way in its own Ray); 72 "
-             "members checking once a second each, a routing change every 2 s, "
+             "members checking once a second each, a routing change every second, "
              f"{WINDOW_S:.0f} s per N.", "",
              "Command: `bash scripts/in_netns.sh python benchmarks/bench_coordinator.py`", "",
              "| N polls | tree | checks | check p50 ms | check p99 ms | check max ms | "
