@@ -224,7 +224,8 @@ class Coordinator:
         assignment = dict(self.book.join(group_id, gang_id, rank, world_size, replica_id,
                                          node_labels), incarnation=self.incarnation,
                           lineage=self.lineage)
-        self.roll.running(replica_id, self.roll.version)  # it starts on these settings
+        # It starts on these settings (`member_settings`: not a stopped roll's target).
+        self.roll.running(replica_id, self.roll.settings_for(None)[0])
         self._forget_ended()
         self._changed()
         return assignment

@@ -56,17 +56,22 @@ class InPlaceRoll:
 
     def settings_for(self, version: str | None) -> tuple[str, dict | None]:
         """(version, app config) a member restarts with: `version`'s, while a turn for it is
-        under way, else the target's."""
+        under way; else what a new engine starts with: the target's, or, while the roll is
+        stopped, those the member it stopped at serves on again (a gang started meanwhile,
+        after a lost replica, must not start on settings known not to start)."""
         if version is not None and version in self.settings:
             return version, self.settings[version]
+        back = (self.stopped or {}).get("back_to")
+        if back in self.settings:
+            return back, self.settings[back]
         return self.version, self.settings.get(self.version)
 
     def turn_version(self, replica_id: str) -> str | None:
         return self.turn_versions.get(replica_id)
 
     def _keep_settings(self) -> None:
-        """Settings of the target and of turns under way only."""
-        kept = {self.version, *self.turn_versions.values()}
+        """Settings of the target, of turns under way and of what members run only."""
+        kept = {self.version, *self.turn_versions.values(), *self.member_versions.values()}
         self.settings = {v: s for v, s in self.settings.items() if v in kept}
 
     def running(self, replica_id: str, version: str | None) -> None:
@@ -136,7 +141,8 @@ class InPlaceRoll:
         self._keep_settings()
         if (version or turn_version or self.version) != self.version:
             return False
-        self.stopped = {"replica_id": replica_id, "reason": reason, "at": time.time()}
+        self.stopped = {"replica_id": replica_id, "reason": reason, "at": time.time(),
+                        "back_to": self.member_versions.get(replica_id)}
         return True
 
     def progress(self, member_ids) -> dict:

@@ -162,6 +162,24 @@ def test_a_dp_gang_restarts_with_the_settings_of_its_turn_across_a_deploy(tmp_pa
     roll.running("g0m1", "v1")
     for rid in ("g0m0", "g0m1"):
         book.member_ready(rid)
-    assert roll.stopped is None and set(roll.settings) == {"v3"}
+    assert roll.stopped is None and set(roll.settings) == {"v1", "v3"}  # v1: what they run
     assert take_turn(roll, book, "g0m0", "v1", "in_place", 1)[0] == "v3"
     assert roll.stop("g0m0", "v3 will not start", "v3") and roll.stopped is not None
+
+
+def test_a_gang_started_while_the_roll_is_stopped_takes_the_settings_that_start():
+    """Seen in the chaos harness (seeds 5 and 11): a will-not-start deploy stopped the roll,
+    then a hung start lost a gang; its new gang took the target and never served. While the
+    roll is stopped a new engine starts on the settings the stopped member serves on again;
+    new settings deployed end the stop."""
+    roll = InPlaceRoll("v1", {"v": 1})
+    for rid in ("a", "b"):
+        roll.running(rid, "v1")
+    roll.set_target("v2", {"v": 2})
+    assert roll.settings_for(None) == ("v2", {"v": 2})
+    assert roll.next_turn("a", "g0", True, 1)
+    assert roll.stop("a", "v2 will not start", "v2")
+    roll.running("a", "v1")
+    assert roll.settings_for(None) == ("v1", {"v": 1})  # a new gang's start
+    roll.set_target("v3", {"v": 3})
+    assert roll.settings_for(None) == ("v3", {"v": 3})
