@@ -124,7 +124,7 @@ class Coordinator:
             registry=self.metrics.registry, avoid=fixed_ports(config.serving.metrics_port))
         self.metric_targets.register(COORDINATOR_KEY, self.sd_server.target(
             ray.util.get_node_ip_address()), {"endpoint": "coordinator"})
-        self._save()
+        self._save(settings=True)
         if restarted:
             logger.warning("engram-ray: coordinator %s restarted; %s", self.deployment_name,
                            "its saved state restored" if state is not None else
@@ -132,10 +132,12 @@ class Coordinator:
                            f"to {REBUILD_WAIT_S:.0f} s")
 
     # --- its state, kept across its restarts (actors/lifetime.py) --------------------------
-    def _save(self) -> None:
-        """Settings and state into Ray's KV store; called after every change, before the
-        call that made it answers."""
-        save_settings(coordinator_name(self.deployment_name), *self.made_with, self.lineage)
+    def _save(self, settings: bool = False) -> None:
+        """State (and, when they changed, the settings) into Ray's KV store; called after
+        every change, before the call that made it answers."""
+        if settings:
+            save_settings(coordinator_name(self.deployment_name), *self.made_with,
+                          self.lineage)
         save_state(coordinator_name(self.deployment_name), {
             "lineage": self.lineage, "groups": self.book.groups, "roll": self.roll,
             "targets": (self.metric_targets.targets, self.metric_targets.slots),
@@ -156,10 +158,10 @@ class Coordinator:
             logger.warning("engram-ray: coordinator %s: store folder %s, handed to no member, "
                            "removed", self.deployment_name, store_dir)
 
-    def _changed(self, routing: bool = True) -> None:
+    def _changed(self, routing: bool = True, settings: bool = False) -> None:
         if routing:
             self.feed.changed()
-        self._save()
+        self._save(settings)
         gangs, self.book.ended_gangs = self.book.ended_gangs, []
         if gangs:  # their DP round keys, off the loop (GCS calls)
             self._loop.create_task(asyncio.to_thread(_forget_gangs, gangs))
@@ -365,7 +367,7 @@ class Coordinator:
         self.config, self.made_with = config, (app_config_dict, domains)
         self._rollout = config.serving.rollout.to_dict()
         self.metric_targets.targets_file = config.serving.prometheus_targets_file
-        self._changed()
+        self._changed(settings=True)
         logger.warning("engram-ray: coordinator %s reconfigured: groups %s", self.deployment_name,
                        sorted(domains))
 
@@ -376,7 +378,7 @@ class Coordinator:
         domains = {**domains, **moved}
         self.book.reconfigure(self.config.deployment, domains)
         self.made_with = (app_config_dict, domains)
-        self._changed()
+        self._changed(settings=True)
 
     async def member_settings(self, version: str | None = None) -> tuple[str, dict]:
         """(settings version, app config) a member's engine runs: those of `version` while a
